@@ -1,0 +1,343 @@
+"""The runtime config file (the operator's ``config.yaml``): schema, defaults, validation.
+
+The schema is the original service's (``http``, ``log``, ``blockKey``, ``discovery``,
+``ingest``) plus this project's own keys (``redis``, ``metrics``, ``discovery.mode`` and
+``discovery.static``, sharding and lease settings, ``ingest.l3.scope`` …), every one with a
+default, so an empty file is valid. Durations are Go-style strings (``10s``, ``1m30s``,
+``500ms``). The file is read once; *all* problems (unknown keys, wrong types, bad values)
+are reported together in one :class:`~common.errors.ConfigError` naming each key.
+
+A few environment variables override the file: ``CACHE_INDEXER_REDIS_URL`` (redis.url),
+``POD_NAMESPACE`` (discovery.namespace, when the file leaves it empty), ``LOG_LEVEL``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.errors import ConfigError
+
+
+class Duration(float):
+    """Seconds, parsed from a Go duration string."""
+
+
+_DUR_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DUR_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> Duration:
+    """Parse ``1m30s``/``500ms``/``0`` like Go's time.ParseDuration (no negatives)."""
+    s = text.strip()
+    if s == "0":
+        return Duration(0.0)
+    pos, total = 0, 0.0
+    for m in _DUR_PART.finditer(s):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DUR_UNIT[m.group(2)]
+        pos = m.end()
+    if pos != len(s) or not s:
+        raise ValueError(f"invalid duration {text!r} (use e.g. 10s, 1m30s, 500ms)")
+    return Duration(total)
+
+
+def _f(default: Any, yaml_name: str | None = None) -> Any:
+    meta = {"yaml": yaml_name} if yaml_name else {}
+    if callable(default):  # a class or a factory: a fresh mutable default per instance
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class HTTP:
+    addr: str = ":28080"
+    shutdown_timeout: Duration = _f(Duration(10))
+    read_header_timeout: Duration = _f(Duration(10))
+    read_timeout: Duration = _f(Duration(30))
+    write_timeout: Duration = _f(Duration(30))
+    idle_timeout: Duration = _f(Duration(120))
+    max_header_bytes: int = 1048576
+    max_hit_rate_body_bytes: int = 4194304
+    workers: int = 2
+    threads: int = 4
+
+
+@dataclass
+class Log:
+    level: str = "info"
+    format: str = "text"
+
+
+@dataclass
+class BlockKey:
+    python_hash_seed: str | None = "0"
+    prefix_caching_hash_algo: str = "sha256_cbor"
+    use_int_block_hashes: bool = True
+    vllm_version: str = "0.28.0"
+
+
+@dataclass
+class Redis:
+    url: str = "redis://127.0.0.1:6379/0"
+    socket_timeout: Duration = _f(Duration(2))
+    connect_timeout: Duration = _f(Duration(2))
+
+
+@dataclass
+class Labels:
+    engine_key: str = "openfuyao.com/engine"
+    engine_value: str = "vllm"
+    pd_role_key: str = "openfuyao.com/pdRole"
+    pd_role_value: list[str] = _f(lambda: ["prefill", "aggregate"])
+    kv_manager_key: str = "openfuyao.com/kvmanager"
+    kv_manager_value: str = "mooncake"
+
+
+@dataclass
+class DiscoveryVLLM:
+    zmq_port_name: str = "zmq-pub"
+    zmq_port: int = 5557
+    replay_port_name: str = ""
+    replay_port: int = 0
+    data_parallel_size: int = 1
+
+
+@dataclass
+class MooncakeMaster:
+    http_port_name: str = "http"
+    rpc_port_name: str = "rpc"
+    http_port: int = 9003
+    rpc_port: int = 0
+
+
+@dataclass
+class StaticVLLM:
+    ip: str = ""
+    zmq_endpoint: str = ""
+    replay_endpoint: str = ""
+    data_parallel_size: int = 1
+    name: str = ""
+    role: str = ""
+
+
+@dataclass
+class StaticMaster:
+    url: str = ""
+    name: str = ""
+
+
+@dataclass
+class Static:
+    vllm: list[StaticVLLM] = _f(list)
+    mooncake_masters: list[StaticMaster] = _f(list)
+
+
+@dataclass
+class Discovery:
+    mode: str = "kubernetes"
+    namespace: str = ""
+    kubeconfig: str = ""
+    refresh_interval: Duration = _f(Duration(10))
+    segments_fetch_timeout: Duration = _f(Duration(2))
+    lease_ttl: Duration = _f(Duration(15))
+    labels: Labels = _f(Labels)
+    vllm: DiscoveryVLLM = _f(DiscoveryVLLM)
+    mooncake_master: MooncakeMaster = _f(MooncakeMaster)
+    static: Static = _f(Static)
+
+
+@dataclass
+class IngestL1:
+    backoff_initial: Duration = _f(Duration(1))
+    backoff_max: Duration = _f(Duration(30))
+    topic: str = ""
+    on_unrecoverable_gap: str = "keep"
+    shard_mode: str = "lease"
+    lease_ttl: Duration = _f(Duration(10))
+    heartbeat_interval: Duration = _f(Duration(2))
+    replay_timeout: Duration = _f(Duration(5))
+
+
+@dataclass
+class IngestL3:
+    scheme: str = "http"
+    poll_interval: Duration = _f(Duration(10))
+    http_timeout: Duration = _f(Duration(5))
+    scope: str = "segment"
+    stale_after: Duration = _f(Duration(60))
+    batch_size: int = 200
+
+
+@dataclass
+class Ingest:
+    l1: IngestL1 = _f(IngestL1)
+    l3: IngestL3 = _f(IngestL3)
+
+
+@dataclass
+class Metrics:
+    port: int = 0
+    addr: str = "127.0.0.1"
+
+
+@dataclass
+class Config:
+    http: HTTP = _f(HTTP)
+    log: Log = _f(Log)
+    block_key: BlockKey = _f(BlockKey)
+    redis: Redis = _f(Redis)
+    discovery: Discovery = _f(Discovery)
+    ingest: Ingest = _f(Ingest)
+    metrics: Metrics = _f(Metrics)
+
+
+_CHOICES = {
+    "log.level": {"debug", "info", "warn", "warning", "error"},
+    "log.format": {"text", "json"},
+    "blockKey.prefixCachingHashAlgo": {"sha256_cbor", "sha256"},
+    "discovery.mode": {"kubernetes", "static"},
+    "ingest.l1.onUnrecoverableGap": {"keep", "clear"},
+    "ingest.l1.shardMode": {"lease", "static"},
+    "ingest.l3.scheme": {"http", "https"},
+    "ingest.l3.scope": {"segment", "pool"},
+}
+
+
+def _yaml_name(f: dataclasses.Field[Any]) -> str:
+    if "yaml" in f.metadata:
+        return str(f.metadata["yaml"])
+    head, *rest = f.name.split("_")
+    return head + "".join(p.upper() if p in ("l1", "l3") else p.capitalize() for p in rest)
+
+
+def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected a list, got {type(value).__name__}")
+            return []
+        return [_convert(item, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if tp is Duration:
+        try:
+            return parse_duration(str(value)) if isinstance(value, str) else _bad(path, value)
+        except ValueError as exc:
+            problems.append(f"{path}: {exc}")
+            return Duration(0)
+    if tp is bool:
+        return value if isinstance(value, bool) else _bad(path, value, "true or false")
+    if tp is int:
+        return value if type(value) is int else _bad(path, value, "an integer")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        return _bad(path, value, "a string")
+    raise AssertionError(f"unsupported config type {tp!r}")
+
+
+class _Bad(Exception):
+    pass
+
+
+def _bad(path: str, value: Any, expected: str = "a Go duration string like 10s") -> Any:
+    raise _Bad(f"{path}: expected {expected}, got {value!r}")
+
+
+def _build(cls: Any, raw: Any, path: str, problems: list[str]) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    by_yaml = {_yaml_name(f): f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        sub = f"{path}.{key}" if path else str(key)
+        f = by_yaml.get(str(key))
+        if f is None:
+            problems.append(f"{sub}: unknown key")
+            continue
+        try:
+            kwargs[f.name] = _convert(hints[f.name], value, sub, problems)
+        except _Bad as exc:
+            problems.append(str(exc))
+    return cls(**kwargs)
+
+
+def _check_values(cfg: Config, problems: list[str]) -> None:
+    for dotted, allowed in _CHOICES.items():
+        obj: Any = cfg
+        for part in dotted.split("."):
+            obj = getattr(obj, next(f.name for f in dataclasses.fields(obj) if _yaml_name(f) == part))
+        if obj not in allowed:
+            problems.append(f"{dotted}: {obj!r} is not one of {sorted(allowed)}")
+    for dotted, value in (
+        ("http.maxHitRateBodyBytes", cfg.http.max_hit_rate_body_bytes),
+        ("http.maxHeaderBytes", cfg.http.max_header_bytes),
+        ("http.workers", cfg.http.workers),
+        ("http.threads", cfg.http.threads),
+        ("ingest.l3.batchSize", cfg.ingest.l3.batch_size),
+    ):
+        if value <= 0:
+            problems.append(f"{dotted}: must be > 0, got {value}")
+    if cfg.ingest.l1.backoff_initial > cfg.ingest.l1.backoff_max:
+        problems.append("ingest.l1.backoffInitial: must not exceed ingest.l1.backoffMax")
+    if cfg.ingest.l3.poll_interval <= 0:
+        problems.append("ingest.l3.pollInterval: must be > 0")
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
+    """Load and validate the config file (``None`` = defaults only), then apply env overrides."""
+    env = dict(os.environ) if env is None else env
+    raw: Any = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    problems: list[str] = []
+    cfg: Config = _build(Config, raw, "", problems)
+    if env.get("CACHE_INDEXER_REDIS_URL"):
+        cfg.redis.url = env["CACHE_INDEXER_REDIS_URL"]
+    if not cfg.discovery.namespace and env.get("POD_NAMESPACE"):
+        cfg.discovery.namespace = env["POD_NAMESPACE"]
+    if env.get("LOG_LEVEL"):
+        cfg.log.level = env["LOG_LEVEL"].lower()
+    _check_values(cfg, problems)
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))
+    return cfg
+
+
+def config_path_from(argv_value: str | None, env: dict[str, str] | None = None) -> str | None:
+    """The config path: ``--config`` if given, else ``CACHE_INDEXER_CONFIG``, else none."""
+    env = dict(os.environ) if env is None else env
+    return argv_value or env.get("CACHE_INDEXER_CONFIG") or None
+
+
+def parse_listen_addr(addr: str) -> tuple[str, int]:
+    """Go-style ``host:port`` / ``:port`` → (host, port); an empty host means all interfaces."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"http.addr: {addr!r} is not host:port")
+    return (host.strip("[]") or "0.0.0.0"), int(port)

@@ -1,0 +1,49 @@
+"""The project's error hierarchy; what each kind of error makes a process do.
+
+    CacheIndexerError
+     ├── ConfigError        a bad config file or flag: the process exits with status 2
+     ├── DecodeError        a malformed message (KV-event payload, Mooncake body): drop it, count it
+     │    └── NotABatchError  a ZMQ payload that is not an EventBatch at all
+     ├── UpstreamError      Redis, a vLLM socket, a master or the Kubernetes API failed: back off, retry
+     │    └── FencedError   a write was refused because this writer lost its lease or generation
+     └── RequestError       a bad hit-rate request: answered with an HTTP status, never raised past it
+"""
+
+from __future__ import annotations
+
+
+class CacheIndexerError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ConfigError(CacheIndexerError):
+    """The config file or the command line is invalid; the message names the key."""
+
+
+class DecodeError(CacheIndexerError):
+    """A message could not be decoded; ``reason`` is a short label for counters."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class NotABatchError(DecodeError):
+    """A payload that is not a msgpack EventBatch (not msgpack, not an array, …)."""
+
+
+class UpstreamError(CacheIndexerError):
+    """A dependency (Redis, ZMQ peer, Mooncake master, Kubernetes API) failed."""
+
+
+class FencedError(UpstreamError):
+    """A fenced write was refused: stale generation, or the writer no longer owns the instance."""
+
+
+class RequestError(CacheIndexerError):
+    """A hit-rate request that must be answered with ``status`` and a one-sentence message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message

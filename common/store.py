@@ -1,0 +1,286 @@
+"""Every Redis read and write of cache-indexer, over an explicitly passed client.
+
+The key layout is documented in :mod:`common.keys`. Writes that must be atomic (copy
+counts together with set membership, generation / owner fencing, registry changes that
+drop an instance's data) run as Lua scripts from :mod:`common.store_lua`, registered once
+per :class:`Store`. Reads on the API's hot path are one non-transactional pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from common import keys, store_lua
+
+L3_CHUNK = 10_000
+"""Members per SADD when a staging set is filled (bounded command size)."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One vLLM instance as discovery registers it (``ip`` is the callers' ``server_ip``)."""
+
+    ip: str
+    uid: str
+    pod: str = ""
+    zmq_endpoint: str = ""
+    replay_endpoint: str = ""
+    dp_size: int = 1
+    role: str = ""
+    restarts: str = "0"
+    gen: int = 0
+
+    def meta_fields(self) -> list[str]:
+        return [
+            "pod", self.pod, "zmq", self.zmq_endpoint, "replay", self.replay_endpoint,
+            "dp", str(self.dp_size), "role", self.role,
+        ]
+
+    @classmethod
+    def from_meta(cls, ip: str, meta: dict[str, str]) -> Instance:
+        return cls(
+            ip=ip, uid=meta.get("uid", ""), pod=meta.get("pod", ""),
+            zmq_endpoint=meta.get("zmq", ""), replay_endpoint=meta.get("replay", ""),
+            dp_size=int(meta.get("dp", "1") or 1), role=meta.get("role", ""),
+            restarts=meta.get("restarts", "0"), gen=int(meta.get("gen", "0") or 0),
+        )
+
+
+@dataclass
+class ApplyResult:
+    """What one fenced batch write did. ``status``: applied, duplicate, stale_gen, not_owner."""
+
+    status: str
+    stored: int = 0
+    removed: int = 0
+    unknown_removes: int = 0
+    cleared: int = 0
+
+
+@dataclass
+class TierOps:
+    """The writes of one ZMQ batch for one rank, in event order: (op, tier, hashes)."""
+
+    ops: list[tuple[str, str, list[int]]] = field(default_factory=list)
+
+    def store(self, tier: str, hashes: Iterable[int]) -> None:
+        self.ops.append(("S", tier, list(hashes)))
+
+    def remove(self, tier: str, hashes: Iterable[int]) -> None:
+        self.ops.append(("R", tier, list(hashes)))
+
+    def clear(self, tier: str) -> None:
+        self.ops.append(("C", tier, []))
+
+    def argv(self) -> list[str | int]:
+        out: list[str | int] = []
+        for op, tier, hashes in self.ops:
+            out += [op, tier, len(hashes)]
+            out += hashes
+        return out
+
+
+_STATUS = {1: "applied", 0: "duplicate", -1: "stale_gen", -2: "not_owner"}
+
+
+def _instance_keys(ip: str) -> list[str]:
+    return [
+        keys.instance_meta(ip), keys.instance_gen(ip), keys.l1_state(ip), keys.l1_owner(ip),
+        keys.tier_set(ip, "l1"), keys.tier_counts(ip, "l1"),
+        keys.tier_set(ip, "l2"), keys.tier_counts(ip, "l2"),
+        keys.l3_set(ip), keys.l3_staging(ip), keys.l3_state(ip),
+    ]
+
+
+def _rank_prefixes(ip: str) -> list[str]:
+    # tier_rank_counts(ip, 0) ends in "r0"; the scripts append the rank themselves.
+    return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
+
+
+class Store:
+    """Redis access for one process. Create one per client; scripts load lazily."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+        self._upsert = client.register_script(store_lua.UPSERT_INSTANCE)
+        self._remove = client.register_script(store_lua.REMOVE_INSTANCE)
+        self._apply = client.register_script(store_lua.APPLY_BATCH)
+        self._replace_l3 = client.register_script(store_lua.REPLACE_L3)
+        self._claim = client.register_script(store_lua.CLAIM_LEASE)
+        self._release = client.register_script(store_lua.RELEASE_LEASE)
+
+    # -- registry (discovery) -------------------------------------------------------
+
+    def upsert_instance(self, inst: Instance) -> tuple[str, int]:
+        """Register or refresh an instance. Returns (what happened, generation).
+
+        ``added``/``replaced`` (new pod UID on this IP: old data dropped)/``restarted``
+        (container restart: L1 dropped)/``updated``/``unchanged``. Idempotent.
+        """
+        argv = [*_rank_prefixes(inst.ip), inst.uid, inst.restarts, *inst.meta_fields()]
+        result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
+        self.r.sadd(keys.INSTANCES, inst.ip)
+        return _text(result), int(gen)
+
+    def remove_instance(self, ip: str) -> bool:
+        """Forget an instance and drop its L1/L2/L3 data (O(its own keys)); bumps its gen."""
+        self.r.srem(keys.INSTANCES, ip)
+        return bool(self._remove(keys=_instance_keys(ip), args=_rank_prefixes(ip)))
+
+    def instance_ips(self) -> set[str]:
+        return {_text(m) for m in self.r.smembers(keys.INSTANCES)}
+
+    def get_instance(self, ip: str) -> Instance | None:
+        meta = self.r.hgetall(keys.instance_meta(ip))
+        return Instance.from_meta(ip, _text_dict(meta)) if meta else None
+
+    def list_instances(self) -> list[Instance]:
+        ips = sorted(self.instance_ips())
+        pipe = self.r.pipeline(transaction=False)
+        for ip in ips:
+            pipe.hgetall(keys.instance_meta(ip))
+        return [Instance.from_meta(ip, _text_dict(m)) for ip, m in zip(ips, pipe.execute()) if m]
+
+    def set_masters(self, masters: dict[str, str]) -> None:
+        """Replace the Mooncake master registry: URL → JSON description."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(keys.MASTERS)
+        if masters:
+            pipe.hset(keys.MASTERS, mapping=masters)
+        pipe.execute()
+
+    def list_masters(self) -> dict[str, str]:
+        return _text_dict(self.r.hgetall(keys.MASTERS))
+
+    # -- leases -----------------------------------------------------------------------
+
+    def claim_lease(self, key: str, holder: str, ttl_ms: int) -> bool:
+        """Take or renew a lease key; False while another holder has it."""
+        return bool(self._claim(keys=[key], args=[holder, int(ttl_ms)]))
+
+    def release_lease(self, key: str, holder: str) -> bool:
+        return bool(self._release(keys=[key], args=[holder]))
+
+    def claim_discovery_lease(self, holder: str, ttl_ms: int) -> bool:
+        return self.claim_lease(keys.lease("discovery"), holder, ttl_ms)
+
+    def claim_instance(self, ip: str, holder: str, ttl_ms: int) -> bool:
+        """Become (or stay) the one L1 ingester allowed to write ``ip``."""
+        return self.claim_lease(keys.l1_owner(ip), holder, ttl_ms)
+
+    def release_instance(self, ip: str, holder: str) -> bool:
+        return self.release_lease(keys.l1_owner(ip), holder)
+
+    def heartbeat_ingester(self, ingester_id: str, ttl_ms: int) -> list[str]:
+        """Record this ingester as alive; return the ids of all live ingesters, sorted."""
+        now = int(time.time() * 1000)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(keys.INGESTERS, {ingester_id: now + ttl_ms})
+        pipe.zremrangebyscore(keys.INGESTERS, "-inf", now)
+        pipe.zrange(keys.INGESTERS, 0, -1)
+        return sorted(_text(m) for m in pipe.execute()[2])
+
+    def leave_ingesters(self, ingester_id: str) -> None:
+        self.r.zrem(keys.INGESTERS, ingester_id)
+
+    # -- L1 / L2 (event-fed tiers) ----------------------------------------------------
+
+    def apply_batch(
+        self, ip: str, gen: int, rank: int, seq: int, ops: TierOps, *,
+        owner: str = "", reset: bool = False, gap: bool = False,
+    ) -> ApplyResult:
+        """Apply one batch atomically, fenced by generation (and owner when given).
+
+        The batch's sequence is recorded in the same script; a sequence not above the
+        last applied one is a duplicate and changes nothing (unless ``reset``).
+        """
+        argv = [
+            *_rank_prefixes(ip), gen, owner, int(rank), int(seq),
+            "1" if reset else "0", "1" if gap else "0", *ops.argv(),
+        ]
+        status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
+        return ApplyResult(_STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared))
+
+    def last_seq(self, ip: str, rank: int) -> int | None:
+        value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")
+        return None if value is None else int(value)
+
+    def l1_state(self, ip: str) -> dict[str, str]:
+        return _text_dict(self.r.hgetall(keys.l1_state(ip)))
+
+    def tier_members(self, ip: str, tier: str = "l1") -> set[int]:
+        return {int(m) for m in self.r.smembers(keys.tier_set(ip, tier))}
+
+    def tier_counts(self, ip: str, tier: str = "l1") -> dict[int, int]:
+        return {int(k): int(v) for k, v in self.r.hgetall(keys.tier_counts(ip, tier)).items()}
+
+    # -- L3 ---------------------------------------------------------------------------
+
+    def replace_l3(self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None) -> bool:
+        """Atomically replace the instance's L3 set; False if the instance is not registered."""
+        staging = keys.l3_staging(ip)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(staging)
+        chunk: list[int] = []
+        for h in hashes:
+            chunk.append(h)
+            if len(chunk) >= L3_CHUNK:
+                pipe.sadd(staging, *chunk)
+                chunk = []
+        if chunk:
+            pipe.sadd(staging, *chunk)
+        pipe.execute()
+        argv: list[Any] = _rank_prefixes(ip)
+        for k, v in (state or {}).items():
+            argv += [k, v]
+        return bool(self._replace_l3(keys=_instance_keys(ip), args=argv))
+
+    def l3_members(self, ip: str) -> set[int]:
+        return {int(m) for m in self.r.smembers(keys.l3_set(ip))}
+
+    def l3_state(self, ip: str) -> dict[str, str]:
+        return _text_dict(self.r.hgetall(keys.l3_state(ip)))
+
+    # -- API hot path -----------------------------------------------------------------
+
+    def prefix_lengths(self, ips: Sequence[str], members: Sequence[bytes]) -> list[tuple[int, int]]:
+        """For each ip, the longest run from block 0 of ``members`` held in L1 and in L3.
+
+        One pipelined round trip: SMISMEMBER on both tiers of every distinct candidate.
+        """
+        if not members:
+            return [(0, 0)] * len(ips)
+        distinct = list(dict.fromkeys(ips))
+        pipe = self.r.pipeline(transaction=False)
+        for ip in distinct:
+            pipe.smismember(keys.tier_set(ip, "l1"), members)
+            pipe.smismember(keys.l3_set(ip), members)
+        replies = pipe.execute()
+        by_ip = {
+            ip: (_run_length(replies[2 * i]), _run_length(replies[2 * i + 1]))
+            for i, ip in enumerate(distinct)
+        }
+        return [by_ip[ip] for ip in ips]
+
+    def ping(self) -> bool:
+        return bool(self.r.ping())
+
+
+def _run_length(flags: Sequence[int]) -> int:
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _text_dict(raw: dict[Any, Any]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
