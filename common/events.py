@@ -2,10 +2,13 @@
 
 Wire format (spec vllm-kv-events.md §2): an EventBatch is always a msgpack array
 ``[ts, events, data_parallel_rank]``. Events are ``[tag, field, ...]`` arrays up to vLLM 0.23
-and ``{"type": tag, field: value, ...}`` maps from 0.24. The decoder accepts both forms, treats
-every field added after 0.9.0 as optional, and ignores unknown keys and trailing elements. An
-event it cannot trust becomes a :class:`SkippedEvent`; the rest of the batch is still returned.
-A payload that is not a batch at all raises :class:`~common.errors.NotABatchError`.
+and ``{"type": tag, field: value, ...}`` maps from 0.24. The decoder accepts both forms. It
+needs only ``block_hashes`` (plus ``token_ids`` and ``block_size`` for BlockStored, and in
+array form the positions before them); any other missing field reads as None, and unknown keys
+and trailing elements are ignored. Field types are checked exactly (an int is an int, not a
+bool), so callers can trust the dataclasses. An event that fails becomes a
+:class:`SkippedEvent` and the rest of the batch is still returned; a payload that is not a
+batch at all raises :class:`~common.errors.NotABatchError`, and nothing else.
 
 Hashes are ints (uint64, the default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or bytes (raw
 digests). Bytes must be a non-empty multiple of 16 long: 32 for sha256, 16 for xxhash, and k
@@ -15,112 +18,42 @@ the uint64 the index is keyed by. Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgpack
 
 from common.errors import DecodeError, NotABatchError
-
-Hash: TypeAlias = int | bytes
-Version: TypeAlias = tuple[int, int, int]
-
-
-@dataclass(slots=True)
-class BlockStored:
-    """Blocks became full and cached. Field order is vLLM's declaration (= wire) order.
-
-    ``block_size`` may be 0 for connector placeholders (§3.5); ``extra_keys`` is aligned with
-    ``block_hashes`` by vLLM, which this decoder does not check.
-    """
-
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[list[Any] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """Cached blocks left the prefix cache; vLLM sends one hash per event (§3.2)."""
-
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    """The whole prefix cache was reset."""
-
-
-Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(slots=True)
-class SkippedEvent:
-    """An event of a batch that was dropped; ``reason`` is a counter label."""
-
-    index: int
-    reason: str  # "not_an_event" | "unknown_type" | "malformed"
-    detail: str
-
-
-@dataclass(slots=True)
-class EventBatch:
-    """One decoded payload. ``form`` is the first event's: "array", "map", or "empty"."""
-
-    ts: float
-    events: list[Event]
-    data_parallel_rank: int | None
-    skipped: list[SkippedEvent]
-    form: str
-
-
-# (field, first vLLM release declaring it, written in map form even when None).
-# Declaration order; the dataclasses above declare the same fields in the same order.
-_FieldSpec: TypeAlias = tuple[tuple[str, Version, bool], ...]
-_STORED_FIELDS: _FieldSpec = (
-    ("block_hashes", (0, 9, 0), True),
-    ("parent_block_hash", (0, 9, 0), True),
-    ("token_ids", (0, 9, 0), True),
-    ("block_size", (0, 9, 0), True),
-    ("lora_id", (0, 9, 0), True),
-    ("medium", (0, 10, 2), True),
-    ("lora_name", (0, 14, 0), True),
-    ("extra_keys", (0, 17, 0), False),
-    ("group_idx", (0, 20, 0), False),
-    ("kv_cache_spec_kind", (0, 22, 0), False),
-    ("kv_cache_spec_sliding_window", (0, 22, 0), False),
-    ("locality", (0, 26, 0), False),
-    ("ownership", (0, 29, 0), False),
-    ("session_id", (0, 30, 0), False),
-    ("lookahead_token_ids", (0, 33, 0), False),
+from common.event_types import (
+    MAP_FORM_SINCE,
+    REMOVED_FIELDS,
+    STORED_FIELDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    FieldSpec,
+    Hash,
+    SkippedEvent,
+    Version,
 )
-_REMOVED_FIELDS: _FieldSpec = (
-    ("block_hashes", (0, 9, 0), True),
-    ("medium", (0, 10, 2), True),
-    ("group_idx", (0, 20, 0), False),
-    ("locality", (0, 26, 0), False),
-    ("ownership", (0, 29, 0), False),
-)
-_MAP_FORM_SINCE: Version = (0, 24, 0)
-_STORED_KEYS = tuple(name for name, _, _ in _STORED_FIELDS)
-_REMOVED_KEYS = tuple(name for name, _, _ in _REMOVED_FIELDS)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "EventBatch",
+    "Hash",
+    "SkippedEvent",
+    "decode_batch",
+    "encode_batch",
+    "hash_to_int",
+]
+
+_STORED_KEYS = tuple(name for name, _, _ in STORED_FIELDS)
+_REMOVED_KEYS = tuple(name for name, _, _ in REMOVED_FIELDS)
 _STORED_NONES = [None] * len(_STORED_KEYS)
 _REMOVED_NONES = [None] * len(_REMOVED_KEYS)
 _STORED_INTS = ("lora_id", "group_idx", "kv_cache_spec_sliding_window")
@@ -242,12 +175,12 @@ def _cleared(raw: object) -> AllBlocksCleared:
     return AllBlocksCleared()
 
 
-_ARRAY_BUILDERS: dict[str, Any] = {
+_ARRAY_BUILDERS: dict[str, Callable[[Any], Event]] = {
     "BlockStored": _stored_from_array,
     "BlockRemoved": _removed_from_array,
     "AllBlocksCleared": _cleared,
 }
-_MAP_BUILDERS: dict[str, Any] = {
+_MAP_BUILDERS: dict[str, Callable[[Any], Event]] = {
     "BlockStored": _stored_from_map,
     "BlockRemoved": _removed_from_map,
     "AllBlocksCleared": _cleared,
@@ -277,7 +210,7 @@ def _check_ints(field: str, value: object) -> None:
 
 
 def _check_optional(fields: tuple[str, ...], values: tuple[object, ...], kind: type) -> None:
-    for field, value in zip(fields, values):
+    for field, value in zip(fields, values, strict=True):
         if value is not None and type(value) is not kind:
             raise _bad(field, value, f"{kind.__name__} or nil")
 
@@ -315,8 +248,8 @@ def _bad(field: str, value: object, expected: str) -> DecodeError:
 
 def _describe(value: object) -> str:
     """A short description of a decoded value for a log line; never the whole payload."""
-    if type(value) in (list, dict, bytes, str) and len(value) > 24:  # type: ignore[arg-type]
-        return f"{type(value).__name__} of length {len(value)}"  # type: ignore[arg-type]
+    if isinstance(value, (list, dict, bytes, str)) and len(value) > 24:
+        return f"{type(value).__name__} of length {len(value)}"
     return f"{type(value).__name__} {value!r}"
 
 
@@ -335,18 +268,18 @@ def encode_batch(
     shortest forms except ts, always float64 - the same choices as msgpack-python's packer.
     """
     packer = msgpack.Packer(use_bin_type=True)
-    encode = _encode_map_event if vllm_version >= _MAP_FORM_SINCE else _encode_array_event
+    encode = _encode_map_event if vllm_version >= MAP_FORM_SINCE else _encode_array_event
     parts = [b"\x93", packer.pack(float(ts)), packer.pack_array_header(len(events))]
     parts.extend(encode(packer, event, vllm_version) for event in events)
     parts.append(packer.pack(data_parallel_rank))
     return b"".join(parts)
 
 
-def _layout(event: Event) -> tuple[str, _FieldSpec]:
+def _layout(event: Event) -> tuple[str, FieldSpec]:
     if isinstance(event, BlockStored):
-        return "BlockStored", _STORED_FIELDS
+        return "BlockStored", STORED_FIELDS
     if isinstance(event, BlockRemoved):
-        return "BlockRemoved", _REMOVED_FIELDS
+        return "BlockRemoved", REMOVED_FIELDS
     if isinstance(event, AllBlocksCleared):
         return "AllBlocksCleared", ()
     raise TypeError(f"not a KV event: {type(event).__name__}")
@@ -361,11 +294,13 @@ def _encode_array_event(packer: msgpack.Packer, event: Event, version: Version) 
 def _encode_map_event(packer: msgpack.Packer, event: Event, version: Version) -> bytes:
     tag, fields = _layout(event)
     declared = [(name, always) for name, since, always in fields if since <= version]
-    items = [("type", tag)]
-    items += [(name, getattr(event, name)) for name, always in declared]
-    items = [(k, v) for k, v in items if v is not None or dict(declared).get(k, True)]
+    written: list[tuple[str, Any]] = [("type", tag)]
+    for name, always in declared:
+        value = getattr(event, name)
+        if always or value is not None:  # omit_defaults: every default is None
+            written.append((name, value))
     if len(declared) + 1 < 16:
-        header = bytes((0x80 | len(items),))
+        header = bytes((0x80 | len(written),))
     else:
-        header = b"\xde" + len(items).to_bytes(2, "big")
-    return header + b"".join(packer.pack(k) + packer.pack(v) for k, v in items)
+        header = b"\xde" + len(written).to_bytes(2, "big")
+    return header + b"".join(packer.pack(k) + packer.pack(v) for k, v in written)

@@ -1,0 +1,129 @@
+"""The config file: the original schema accepted unchanged, defaults, strict validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config, parse_duration, parse_listen_addr
+from common.errors import ConfigError
+
+ORIGINAL = """
+http:
+  addr: ":28080"
+  shutdownTimeout: 10s
+  readHeaderTimeout: 10s
+  readTimeout: 30s
+  writeTimeout: 30s
+  idleTimeout: 120s
+  maxHeaderBytes: 1048576
+  maxHitRateBodyBytes: 4194304
+log:
+  level: info
+blockKey:
+  pythonHashSeed: "0"
+  prefixCachingHashAlgo: sha256_cbor
+  useIntBlockHashes: true
+discovery:
+  refreshInterval: 10s
+  segmentsFetchTimeout: 2s
+  labels:
+    engineKey: openfuyao.com/engine
+    engineValue: vllm
+    pdRoleKey: openfuyao.com/pdRole
+    pdRoleValue: [prefill, aggregate]
+    kvManagerKey: openfuyao.com/kvmanager
+    kvManagerValue: mooncake
+  vllm:
+    zmqPortName: zmq-pub
+  mooncakeMaster:
+    httpPortName: http
+    rpcPortName: rpc
+    httpPort: 9003
+    rpcPort: 0
+ingest:
+  l1:
+    backoffInitial: 1s
+    backoffMax: 30s
+  l3:
+    scheme: http
+    pollInterval: 10s
+    httpTimeout: 5s
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_original_operator_file_is_accepted_unchanged(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, ORIGINAL), env={})
+    assert cfg.http.max_hit_rate_body_bytes == 4194304
+    assert cfg.http.idle_timeout == 120.0
+    assert cfg.discovery.labels.pd_role_value == ["prefill", "aggregate"]
+    assert cfg.discovery.mooncake_master.http_port == 9003
+    assert cfg.ingest.l3.poll_interval == 10.0
+    assert cfg.block_key.python_hash_seed == "0"
+
+
+def test_defaults_for_every_key_and_env_overrides(tmp_path: Path) -> None:
+    cfg = load_config(None, env={"CACHE_INDEXER_REDIS_URL": "redis://127.0.0.1:7000/1",
+                                 "POD_NAMESPACE": "inference", "LOG_LEVEL": "DEBUG"})
+    assert cfg.redis.url == "redis://127.0.0.1:7000/1"
+    assert cfg.discovery.namespace == "inference"
+    assert cfg.log.level == "debug"
+    assert cfg.http.addr == ":28080" and cfg.block_key.vllm_version == "0.28.0"
+    assert cfg.discovery.labels.pd_role_value == ["prefill", "aggregate"]
+    assert load_config(None, env={}).discovery.labels.pd_role_value is not cfg.discovery.labels.pd_role_value
+
+
+def test_all_problems_are_reported_with_key_names(tmp_path: Path) -> None:
+    bad = "http:\n  bogus: 1\n  readTimeout: 10x\n  maxHeaderBytes: '12'\ningest:\n  l3: {scope: foo}\nfoo: 1\n"
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, bad), env={})
+    text = str(err.value)
+    for part in ("http.bogus: unknown key", "http.readTimeout", "http.maxHeaderBytes",
+                 "ingest.l3.scope", "foo: unknown key"):
+        assert part in text
+
+
+def test_null_seed_means_unset_and_static_entries_parse(tmp_path: Path) -> None:
+    text = ("blockKey:\n  pythonHashSeed: null\ndiscovery:\n  mode: static\n  static:\n"
+            "    vllm:\n      - ip: 127.0.0.2\n        zmqEndpoint: tcp://127.0.0.2:5557\n"
+            "    mooncakeMasters:\n      - url: http://127.0.0.1:9003\n")
+    cfg = load_config(_write(tmp_path, text), env={})
+    assert cfg.block_key.python_hash_seed is None
+    assert cfg.discovery.static.vllm[0].zmq_endpoint == "tcp://127.0.0.2:5557"
+    assert cfg.discovery.static.mooncake_masters[0].url == "http://127.0.0.1:9003"
+
+
+def test_unreadable_or_non_yaml_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "http: [unclosed"), env={})
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(_write(tmp_path, "- 1\n"), env={})
+
+
+@pytest.mark.parametrize("text,seconds", [("10s", 10), ("1m30s", 90), ("500ms", 0.5),
+                                          ("1h", 3600), ("0", 0), ("1.5s", 1.5)])
+def test_go_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "10", "s", "-1s", "10 s", "1d"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_listen_addr() -> None:
+    assert parse_listen_addr(":28080") == ("0.0.0.0", 28080)
+    assert parse_listen_addr("127.0.0.1:8080") == ("127.0.0.1", 8080)
+    assert parse_listen_addr("[::1]:8080") == ("::1", 8080)
+    with pytest.raises(ConfigError):
+        parse_listen_addr("nope")

@@ -1,0 +1,198 @@
+"""The store's contract, run against fakeredis (with lupa) and a real redis-server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+
+from common import keys
+from common.store import Instance, Store, TierOps
+
+IP = "10.0.0.5"
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    if request.param == "fakeredis":
+        client: redis.Redis = fakeredis.FakeRedis()
+    else:
+        client = request.getfixturevalue("redis_client")
+    yield Store(client)
+
+
+def _register(store: Store, ip: str = IP, uid: str = "uid-1", **kw: object) -> int:
+    result, gen = store.upsert_instance(Instance(ip=ip, uid=uid, **kw))  # type: ignore[arg-type]
+    return gen
+
+
+def _ops(*items: tuple[str, str, list[int]]) -> TierOps:
+    ops = TierOps()
+    for op, tier, hashes in items:
+        if op == "C":
+            ops.clear(tier)
+        elif op == "S":
+            ops.store(tier, hashes)
+        else:
+            ops.remove(tier, hashes)
+    return ops
+
+
+def test_upsert_reports_what_happened_and_is_idempotent(store: Store) -> None:
+    inst = Instance(ip=IP, uid="u", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:5557")
+    assert store.upsert_instance(inst) == ("added", 1)
+    assert store.upsert_instance(inst) == ("unchanged", 1)
+    moved = Instance(ip=IP, uid="u", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:6000")
+    assert store.upsert_instance(moved) == ("updated", 1)
+    got = store.get_instance(IP)
+    assert got is not None and got.zmq_endpoint == "tcp://10.0.0.5:6000" and got.gen == 1
+    assert store.instance_ips() == {IP}
+    assert [i.ip for i in store.list_instances()] == [IP]
+
+
+def test_duplicate_copies_are_counted(store: Store) -> None:
+    gen = _register(store)
+    assert store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 8]), ("S", "l1", [7]))).status == "applied"
+    res = store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7])))
+    assert (res.status, res.removed) == ("applied", 1)
+    assert store.tier_members(IP) == {7, 8}, "one copy of 7 is still held"
+    store.apply_batch(IP, gen, 0, 2, _ops(("R", "l1", [7, 99])))
+    assert store.tier_members(IP) == {8}
+    assert store.tier_counts(IP) == {8: 1}
+
+
+def test_remove_of_unknown_hash_is_counted_not_negative(store: Store) -> None:
+    gen = _register(store)
+    res = store.apply_batch(IP, gen, 0, 0, _ops(("R", "l1", [5])))
+    assert res.unknown_removes == 1
+    store.apply_batch(IP, gen, 0, 1, _ops(("S", "l1", [5])))
+    assert store.tier_members(IP) == {5}
+
+
+def test_sequence_is_recorded_and_old_batches_are_ignored(store: Store) -> None:
+    gen = _register(store)
+    assert store.apply_batch(IP, gen, 0, 5, _ops(("S", "l1", [1]))).status == "applied"
+    assert store.last_seq(IP, 0) == 5
+    assert store.apply_batch(IP, gen, 0, 5, _ops(("S", "l1", [2]))).status == "duplicate"
+    assert store.apply_batch(IP, gen, 0, 3, _ops(("S", "l1", [3]))).status == "duplicate"
+    assert store.tier_members(IP) == {1}
+
+
+def test_reset_clears_the_rank_before_applying(store: Store) -> None:
+    gen = _register(store)
+    store.apply_batch(IP, gen, 0, 9, _ops(("S", "l1", [1, 2]), ("S", "l2", [3])))
+    res = store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [4])), reset=True)
+    assert (res.status, res.cleared) == ("applied", 3)
+    assert store.tier_members(IP) == {4}
+    assert store.tier_members(IP, "l2") == set()
+    assert store.last_seq(IP, 0) == 0
+
+
+def test_all_blocks_cleared_only_clears_its_rank(store: Store) -> None:
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1, 2])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [2, 3])))
+    store.apply_batch(IP, gen, 0, 1, _ops(("C", "l1", []), ("S", "l1", [9])))
+    assert store.tier_members(IP) == {2, 3, 9}
+    assert store.tier_counts(IP) == {2: 1, 3: 1, 9: 1}
+
+
+def test_gap_flag_is_counted(store: Store) -> None:
+    gen = _register(store)
+    store.apply_batch(IP, gen, 0, 10, TierOps(), gap=True)
+    assert store.l1_state(IP)["gap:0"] == "1"
+
+
+def test_writes_are_fenced_by_generation_and_owner(store: Store) -> None:
+    gen = _register(store)
+    assert store.apply_batch(IP, gen + 1, 0, 0, _ops(("S", "l1", [1]))).status == "stale_gen"
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    assert not store.claim_instance(IP, "ingester-b", 10_000)
+    res = store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-b")
+    assert res.status == "not_owner"
+    assert store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-a").status == "applied"
+    assert store.release_instance(IP, "ingester-a")
+    assert store.claim_instance(IP, "ingester-b", 10_000)
+    assert store.tier_members(IP) == {1}
+
+
+def test_unregistered_instance_is_never_written(store: Store) -> None:
+    assert store.apply_batch("10.9.9.9", 1, 0, 0, _ops(("S", "l1", [1]))).status == "stale_gen"
+    assert not store.replace_l3("10.9.9.9", [1, 2])
+    assert store.l3_members("10.9.9.9") == set()
+
+
+def test_new_pod_on_reused_ip_starts_empty(store: Store) -> None:
+    gen = _register(store, uid="old-pod")
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1]), ("S", "l2", [2])))
+    store.replace_l3(IP, [3])
+    result, new_gen = store.upsert_instance(Instance(ip=IP, uid="new-pod"))
+    assert result == "replaced" and new_gen > gen
+    assert store.tier_members(IP) == set() and store.l3_members(IP) == set()
+    assert store.last_seq(IP, 0) is None
+    assert store.apply_batch(IP, gen, 0, 1, _ops(("S", "l1", [1]))).status == "stale_gen"
+
+
+def test_container_restart_drops_l1_but_keeps_l3(store: Store) -> None:
+    gen = _register(store, restarts="0")
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])))
+    store.replace_l3(IP, [3])
+    result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
+    assert result == "restarted" and new_gen == gen + 1
+    assert store.tier_members(IP) == set()
+    assert store.l3_members(IP) == {3}
+
+
+def test_remove_drops_every_key_but_the_generation(store: Store) -> None:
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1]), ("S", "l2", [5])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [2])))
+    store.replace_l3(IP, [3], {"master": "http://m:9003"})
+    store.claim_instance(IP, "ing", 10_000)
+    assert store.remove_instance(IP)
+    left = {k.decode() for k in store.r.keys("*")}
+    assert left == {keys.instance_gen(IP)}
+    _, gen2 = store.upsert_instance(Instance(ip=IP, uid="uid-1"))
+    assert gen2 > gen, "a re-added instance never reuses an old generation"
+
+
+def test_replace_l3_is_whole_and_empty_clears(store: Store) -> None:
+    _register(store)
+    assert store.replace_l3(IP, range(25_000), {"master": "m", "blocks": "25000"})
+    assert len(store.l3_members(IP)) == 25_000
+    assert store.l3_state(IP)["blocks"] == "25000"
+    store.replace_l3(IP, [1, 2])
+    assert store.l3_members(IP) == {1, 2}
+    store.replace_l3(IP, [])
+    assert store.l3_members(IP) == set()
+
+
+def test_prefix_lengths_one_round_trip_semantics(store: Store) -> None:
+    gen = _register(store)
+    _register(store, ip="10.0.0.6", uid="u6")
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1, 2, 4])))
+    store.replace_l3(IP, [1])
+    store.replace_l3("10.0.0.6", [2, 3])
+    members = [b"1", b"2", b"3", b"4"]
+    got = store.prefix_lengths([IP, "10.0.0.6", "10.1.1.1", IP], members)
+    assert got == [(2, 1), (0, 0), (0, 0), (2, 1)]
+    assert store.prefix_lengths([IP], []) == [(0, 0)]
+
+
+def test_leases_and_ingester_heartbeats(store: Store) -> None:
+    assert store.claim_discovery_lease("d1", 10_000)
+    assert not store.claim_discovery_lease("d2", 10_000)
+    assert store.claim_discovery_lease("d1", 10_000), "renewal by the holder"
+    assert store.heartbeat_ingester("a", 10_000) == ["a"]
+    assert store.heartbeat_ingester("b", 10_000) == ["a", "b"]
+    store.leave_ingesters("a")
+    assert store.heartbeat_ingester("b", 10_000) == ["b"]
+    assert store.heartbeat_ingester("c", -1) == ["b"], "an expired heartbeat is pruned"
+
+
+def test_masters_registry_is_replaced_whole(store: Store) -> None:
+    store.set_masters({"http://127.0.0.1:9003": "{}", "http://127.0.0.2:9003": "{}"})
+    store.set_masters({"http://127.0.0.2:9003": '{"pod":"m"}'})
+    assert store.list_masters() == {"http://127.0.0.2:9003": '{"pod":"m"}'}
