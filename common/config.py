@@ -149,7 +149,7 @@ class Discovery:
     kubeconfig: str = ""
     refresh_interval: Duration = _f(Duration(10))
     segments_fetch_timeout: Duration = _f(Duration(2))
-    lease_ttl: Duration = _f(Duration(15))
+    lease_ttl: Duration = _f(Duration(15), "leaseTTL")
     labels: Labels = _f(Labels)
     vllm: DiscoveryVLLM = _f(DiscoveryVLLM)
     mooncake_master: MooncakeMaster = _f(MooncakeMaster)
@@ -163,7 +163,7 @@ class IngestL1:
     topic: str = ""
     on_unrecoverable_gap: str = "keep"
     shard_mode: str = "lease"
-    lease_ttl: Duration = _f(Duration(10))
+    lease_ttl: Duration = _f(Duration(10), "leaseTTL")
     heartbeat_interval: Duration = _f(Duration(2))
     replay_timeout: Duration = _f(Duration(5))
 

@@ -36,3 +36,5 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS.get(level.lower(), logging.INFO))
+    # httpx logs every request at INFO; the pollers make thousands.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

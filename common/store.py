@@ -169,6 +169,9 @@ class Store:
     def claim_discovery_lease(self, holder: str, ttl_ms: int) -> bool:
         return self.claim_lease(keys.lease("discovery"), holder, ttl_ms)
 
+    def release_discovery_lease(self, holder: str) -> bool:
+        return self.release_lease(keys.lease("discovery"), holder)
+
     def claim_instance(self, ip: str, holder: str, ttl_ms: int) -> bool:
         """Become (or stay) the one L1 ingester allowed to write ``ip``."""
         return self.claim_lease(keys.l1_owner(ip), holder, ttl_ms)

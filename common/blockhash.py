@@ -1,0 +1,365 @@
+"""vLLM's prefix-cache block hashes, recomputed from token ids; pure, no I/O.
+
+vLLM (spec §4) splits a request's tokens into full blocks of ``block_size`` tokens and
+chains them::
+
+    H[i] = sha256(serialize((H[i-1] or NONE_HASH, tuple(block_i_tokens), extra_keys_i)))
+
+where ``serialize`` is ``cbor2.dumps(obj, canonical=True)`` for ``sha256_cbor`` and
+``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL)`` for ``sha256``, and
+``NONE_HASH = sha256(serialize(PYTHONHASHSEED string))``. KV events carry the last 8 bytes of
+each digest as an unsigned big-endian integer; the chain always uses all 32 bytes.
+
+The CBOR path does not call cbor2: this runs on every API request (up to 131,072 tokens), so
+it joins precomputed per-token encodings (a lazily built table for ids < 2**18) into each
+preimage. For these shapes canonical CBOR only means shortest-form heads, so the bytes are
+identical; tests keep cbor2 as the reference. The pickle path calls ``pickle.dumps`` exactly
+as vLLM does.
+
+Decisions (vLLM behaviour the index must mirror, or input we refuse):
+
+- Only full blocks are hashed; the trailing partial block is still validated.
+- A token id is anything ``operator.index`` accepts (int, bool, numpy ints) with
+  ``0 <= id < 2**64``; vLLM >= 0.34 keeps ids as int32, so there ``id < 2**31``. Anything
+  else raises ValueError: vLLM would reject the request, so it can have no cached blocks.
+- extra keys (§4.4): LoRA on every block, then the salt on block 0 only when truthy.
+  0.12-0.30 use the bare LoRA name and salt; >= 0.31 the tagged tuples
+  ``("lora", name, path)`` and ``("cache_salt", salt)`` (a LoRA path is then required).
+  0.10.2-0.11 key LoRA by the server-assigned ``lora_int_id``, which we cannot know from a
+  name, so LoRA raises ValueError there. An empty ``lora_name`` means no LoRA.
+- PYTHONHASHSEED unset: vLLM < 0.29 draws a random NONE_HASH per process (ConfigError
+  here); >= 0.29 uses the seed "vllm-none-hash". "" is a real seed: the empty string.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import operator
+import pickle
+import re
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.errors import ConfigError
+
+ALGOS = ("sha256_cbor", "sha256")
+MIN_VLLM_VERSION = (0, 10, 2)
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM >= 0.29 when PYTHONHASHSEED is unset
+
+_TAGGED_KEYS_SINCE = (0, 31, 0)
+_LORA_NAME_SINCE = (0, 12, 0)
+_FIXED_NONE_HASH_SINCE = (0, 29, 0)
+_INT32_TOKENS_SINCE = (0, 34, 0)
+_TABLE_SIZE = 1 << 18  # covers every vocabulary up to 262,144 ids (Llama 3, Qwen, Gemma 3)
+_PREIMAGE_HEAD = b"\x83\x58\x20"  # array(3), then bytes(32): the parent digest
+_EVENT_INT = struct.Struct(">24xQ")  # the last 8 bytes of a 32-byte digest
+_VERSION_RE = re.compile(
+    r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
+)
+
+ExtraKeys = tuple[object, ...] | None
+
+
+def parse_vllm_version(text: str) -> tuple[int, int, int]:
+    """Parse "0.28.0" (also "0.28", "v0.28.0", "0.28.0rc1", "0.28.0+cu128"); pre-release
+    and local suffixes are ignored. Raises ConfigError on anything else."""
+    match = _VERSION_RE.fullmatch(text.strip())
+    if match is None:
+        raise ConfigError(f"vLLM version {text!r} is not of the form X.Y.Z")
+    major, minor, patch = match.group(1, 2, 3)
+    return int(major), int(minor), int(patch or 0)
+
+
+@dataclass(frozen=True)
+class HashSettings:
+    """How a vLLM deployment hashes blocks: ``--prefix-caching-hash-algo``, the engine's
+    PYTHONHASHSEED (None when unset) and the vLLM release."""
+
+    algo: str = "sha256_cbor"
+    seed: str | None = "0"
+    vllm_version: tuple[int, int, int] = (0, 28, 0)
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ConfigError(
+                f"hash algo {self.algo!r} is not supported; use one of {', '.join(ALGOS)}"
+            )
+        if self.seed is not None and not isinstance(self.seed, str):
+            raise ConfigError(f"PYTHONHASHSEED must be a string or unset, not {self.seed!r}")
+        version = self.vllm_version
+        if not (
+            isinstance(version, tuple)
+            and len(version) == 3
+            and all(isinstance(part, int) and part >= 0 for part in version)
+        ):
+            raise ConfigError(f"vLLM version {version!r} is not a (major, minor, patch) tuple")
+        if version < MIN_VLLM_VERSION:
+            shown = ".".join(map(str, version))
+            raise ConfigError(
+                f"vLLM {shown} is not supported: its block hashes are not "
+                "reproducible (need 0.10.2 or newer)"
+            )
+
+    @classmethod
+    def from_strings(cls, algo: str, seed: str | None, vllm_version: str) -> HashSettings:
+        """Build settings from config/CLI strings; raises ConfigError on bad values."""
+        return cls(algo=algo, seed=seed, vllm_version=parse_vllm_version(vllm_version))
+
+
+def none_hash(settings: HashSettings) -> bytes:
+    """NONE_HASH, the parent digest of block 0, for these settings (32 bytes)."""
+    seed = settings.seed
+    if seed is None:
+        if settings.vllm_version < _FIXED_NONE_HASH_SINCE:
+            raise ConfigError(
+                "PYTHONHASHSEED is unset: vLLM < 0.29 then draws a random NONE_HASH per "
+                "process, so its block hashes are random and cannot be reproduced; set "
+                "PYTHONHASHSEED on the vLLM pods and the same value in blockKey.pythonHashSeed"
+            )
+        seed = DEFAULT_NONE_HASH_SEED
+    return hashlib.sha256(_serialize(settings.algo, seed)).digest()
+
+
+def to_event_int(digest: bytes) -> int:
+    """The integer a KV event carries for a block digest: its last 8 bytes, big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _serialize(algo: str, obj: object) -> bytes:
+    if algo == "sha256":
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _cbor(obj)
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    """A canonical (shortest-form) CBOR head for major type ``major`` and argument value."""
+    if value < 24:
+        return bytes((major << 5 | value,))
+    for info, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if value < 1 << (8 * width):
+            return bytes((major << 5 | info,)) + value.to_bytes(width, "big")
+    raise ValueError(f"{value} does not fit in a CBOR head")
+
+
+def _cbor(obj: object) -> bytes:
+    """Canonical CBOR of the extra-key shapes this module builds: str, tuple, None."""
+    if obj is None:
+        return b"\xf6"
+    if isinstance(obj, str):
+        data = obj.encode("utf-8")  # a lone surrogate raises, as it does in cbor2
+        return _cbor_head(3, len(data)) + data
+    if isinstance(obj, tuple):
+        return _cbor_head(4, len(obj)) + b"".join(map(_cbor, obj))
+    raise ValueError(f"cannot hash {type(obj).__name__} extra key {obj!r}")
+
+
+@functools.cache
+def _token_table() -> list[bytes]:
+    """CBOR unsigned-int encodings of ids 0.._TABLE_SIZE-1, built on first use (~20 ms)."""
+    pack2, pack4 = struct.Struct(">BH").pack, struct.Struct(">BI").pack
+    return (
+        [bytes((i,)) for i in range(24)]
+        + [bytes((0x18, i)) for i in range(24, 256)]
+        + [pack2(0x19, i) for i in range(256, 1 << 16)]
+        + [pack4(0x1A, i) for i in range(1 << 16, _TABLE_SIZE)]
+    )
+
+
+def _checked_token(value: object, limit: int) -> int:
+    """``value`` as a plain int, or ValueError if it is not a token id below ``limit``."""
+    try:
+        token = int(operator.index(value))  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"token id {value!r} is not an integer") from None
+    if not 0 <= token < limit:
+        raise ValueError(
+            f"token id {token} is out of range: need 0 <= id < 2**{limit.bit_length() - 1}"
+        )
+    return token
+
+
+class BlockHasher:
+    """Block digests of token-id prompts for one deployment's HashSettings."""
+
+    def __init__(self, settings: HashSettings) -> None:
+        self.settings = settings
+        self._none_hash = none_hash(settings)
+        self._token_limit = 1 << (31 if settings.vllm_version >= _INT32_TOKENS_SINCE else 64)
+
+    def digests(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> list[bytes]:
+        """The 32-byte digest of every full block, in order."""
+        return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, False)[0]
+
+    def event_ints(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> list[int]:
+        """The block hashes as KV events carry them (uint64 of each digest's last 8 bytes)."""
+        digests = self.digests(token_ids, block_size, cache_salt, lora_name, lora_path)
+        return [value for (value,) in _EVENT_INT.iter_unpack(b"".join(digests))]
+
+    def member_keys(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> list[bytes]:
+        """The event ints as ASCII decimal bytes, the form stored in Redis sets."""
+        ints = self.event_ints(token_ids, block_size, cache_salt, lora_name, lora_path)
+        return list(map(b"%d".__mod__, ints))
+
+    def preimages(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> list[bytes]:
+        """The bytes that are hashed for every full block (the serialized parent, tokens and
+        extra keys), built by the same loop as ``digests``; for tests and debugging."""
+        return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, True)[1]
+
+    def _chain(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None,
+        lora_name: str | None,
+        lora_path: str | None,
+        keep: bool,
+    ) -> tuple[list[bytes], list[bytes]]:
+        """(digests, preimages if ``keep`` else []) of every full block."""
+        _check_block_size(block_size)
+        first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
+        # Every id is validated, but the trailing partial block is not hashed.
+        full = len(token_ids) - len(token_ids) % block_size
+        if self.settings.algo == "sha256":
+            ids = self._exact_ids(token_ids)
+            return self._pickle_chain(ids, full, block_size, first, rest, keep)
+        encoded = self._encode_tokens(token_ids)
+        return self._cbor_chain(encoded, full, block_size, _cbor(first), _cbor(rest), keep)
+
+    def _extra_keys(
+        self, cache_salt: str | None, lora_name: str | None, lora_path: str | None
+    ) -> tuple[ExtraKeys, ExtraKeys]:
+        """(extra keys of block 0, extra keys of every later block), per spec §4.4."""
+        for label, value in (("cache_salt", cache_salt), ("lora_name", lora_name),
+                             ("lora_path", lora_path)):  # fmt: skip
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{label} must be a string, not {type(value).__name__}")
+        tagged = self.settings.vllm_version >= _TAGGED_KEYS_SINCE
+        lora = self._lora_keys(lora_name, lora_path, tagged)
+        salt: list[object] = []
+        if cache_salt:  # vLLM ignores a falsy salt
+            salt = [("cache_salt", cache_salt) if tagged else cache_salt]
+        return tuple(lora + salt) or None, tuple(lora) or None
+
+    def _lora_keys(self, name: str | None, path: str | None, tagged: bool) -> list[object]:
+        if not name:
+            if path:
+                raise ValueError("lora_path was given without lora_name")
+            return []
+        if self.settings.vllm_version < _LORA_NAME_SINCE:
+            raise ValueError("vLLM < 0.12 keys LoRA blocks by the server's lora_int_id, "
+                             "which cannot be derived from a LoRA name")  # fmt: skip
+        if not tagged:
+            return [name]
+        if not path:
+            raise ValueError("vLLM >= 0.31 hashes the LoRA adapter path: lora_path is required")
+        return [("lora", name, path)]
+
+    def _encode_tokens(self, tokens: Sequence[int]) -> Sequence[bytes]:
+        """CBOR encodings of the token ids: table look-ups in one C call when every id is
+        in the table, else (or on any bad value) the checked per-id path."""
+        if not tokens:
+            return ()
+        try:
+            # C-speed check that every id is an int >= 0: a negative id would silently
+            # wrap around the table. Non-ints, and ids past the table, fall through.
+            array("Q", tokens)
+            encoded = operator.itemgetter(*tokens)(_token_table())
+            return (encoded,) if len(tokens) == 1 else encoded
+        except (TypeError, OverflowError, IndexError):
+            pass
+        table = _token_table()  # slow path: ids past the table, or a bad id to report
+        ids = self._exact_ids(tokens)
+        return [table[t] if t < _TABLE_SIZE else _cbor_head(0, t) for t in ids]
+
+    def _exact_ids(self, tokens: Sequence[int]) -> list[int]:
+        """Token ids as plain ints: pickle, unlike CBOR, tells True or numpy ints from int."""
+        try:
+            ids = array("Q", tokens).tolist()
+            if not ids or max(ids) < self._token_limit:
+                return ids
+        except (TypeError, OverflowError):
+            pass
+        return [_checked_token(value, self._token_limit) for value in tokens]
+
+    def _cbor_chain(
+        self,
+        encoded: Sequence[bytes],
+        full: int,
+        block_size: int,
+        first_tail: bytes,
+        tail: bytes,
+        keep: bool,
+    ) -> tuple[list[bytes], list[bytes]]:
+        """The hot loop: two joins and one sha256 per block."""
+        sha256, join = hashlib.sha256, b"".join
+        head, array_head = _PREIMAGE_HEAD, _cbor_head(4, block_size)
+        parent = self._none_hash
+        digests: list[bytes] = []
+        preimages: list[bytes] = []
+        append = digests.append
+        for start in range(0, full, block_size):
+            body = join(encoded[start : start + block_size])
+            preimage = join((head, parent, array_head, body, tail if start else first_tail))
+            parent = sha256(preimage).digest()
+            append(parent)
+            if keep:
+                preimages.append(preimage)
+        return digests, preimages
+
+    def _pickle_chain(
+        self,
+        ids: list[int],
+        full: int,
+        block_size: int,
+        first: ExtraKeys,
+        rest: ExtraKeys,
+        keep: bool,
+    ) -> tuple[list[bytes], list[bytes]]:
+        """vLLM's ``sha256`` algo: pickle.dumps of the same tuple, exactly as vLLM calls it."""
+        parent = self._none_hash
+        digests: list[bytes] = []
+        preimages: list[bytes] = []
+        for start in range(0, full, block_size):
+            block = (parent, tuple(ids[start : start + block_size]), rest if start else first)
+            preimage = pickle.dumps(block, protocol=pickle.HIGHEST_PROTOCOL)
+            parent = hashlib.sha256(preimage).digest()
+            digests.append(parent)
+            if keep:
+                preimages.append(preimage)
+        return digests, preimages
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, not {block_size!r}")

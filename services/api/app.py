@@ -1,0 +1,175 @@
+"""The API's Falcon app: routes, error rendering, request metrics; built once per worker.
+
+:func:`create_app` takes every dependency (config, store, hasher, metrics) so tests can pass
+their own; :func:`get_app` / :func:`build_app` make the real ones from the config in a
+gunicorn worker, after the fork (a Redis connection pool must not cross a fork).
+
+Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET /healthz``
+(liveness: answers while the process serves), ``GET /readyz`` (Redis PING; 503 with a
+reason if it fails), ``GET /metrics`` (Prometheus text, summed over workers). Every error —
+ours, Falcon's 404/405, an unexpected exception — is JSON: on the hit-rate path in the
+contract's shape ``{"server_score_list": [], "message": …, "status": <http status>}``,
+elsewhere ``{"message": …, "status": …}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import falcon
+import orjson
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from common.blockhash import BlockHasher, HashSettings
+from common.config import Config, config_path_from, load_config
+from common.errors import RequestError
+from common.store import Store
+from services.api import hit_rate
+from services.api.api_metrics import METRICS_DIR_ENV, ApiMetrics
+
+logger = logging.getLogger(__name__)
+
+App = falcon.App[falcon.Request, falcon.Response]
+
+
+class _Health:
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.data = orjson.dumps({"status": "ok"})
+
+
+class _Ready:
+    def __init__(self, store: Store, metrics: ApiMetrics) -> None:
+        self.store, self.metrics = store, metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        try:
+            self.store.ping()
+        except redis.RedisError as exc:
+            self.metrics.redis_errors.inc(op="readyz")
+            resp.status = falcon.HTTP_503
+            resp.data = orjson.dumps(
+                {"status": "unavailable", "reason": f"the state store is unreachable: {exc}"})
+            return
+        resp.data = orjson.dumps({"status": "ok"})
+
+
+class _Metrics:
+    def __init__(self, metrics: ApiMetrics) -> None:
+        self.metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
+        resp.text = self.metrics.render()
+
+
+class _RequestMetrics:
+    """Middleware: count every answer by route template (bounded labels) and status."""
+
+    def __init__(self, metrics: ApiMetrics) -> None:
+        self.metrics = metrics
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        req.context.started = time.perf_counter()
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response,
+                         resource: object, req_succeeded: bool) -> None:
+        path = req.uri_template if resource is not None and req.uri_template else "unmatched"
+        elapsed = time.perf_counter() - float(req.context.started)
+        self.metrics.requests.inc(path=path, status=str(resp.status_code))
+        self.metrics.latency.observe(elapsed, path=path)
+
+
+def _error_body(req: falcon.Request, status: int, message: str) -> bytes:
+    if req.path == hit_rate.PATH:
+        return hit_rate.error_document(status, message)
+    return orjson.dumps({"message": message, "status": status})
+
+
+def _request_error(req: falcon.Request, resp: falcon.Response, exc: RequestError,
+                   _params: dict[str, Any]) -> None:
+    resp.status = exc.status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = _error_body(req, exc.status, exc.message)
+
+
+def _http_error_message(req: falcon.Request, resp: falcon.Response,
+                        exc: falcon.HTTPError) -> str:
+    if isinstance(exc, falcon.HTTPMethodNotAllowed):  # Falcon has already set Allow on resp
+        allowed = resp.get_header("Allow") or ""
+        return f"method {req.method} is not allowed on {req.path}; allowed: {allowed}"
+    if exc.status_code == 404:
+        return f"there is no resource at {req.path}"
+    if exc.description:
+        return str(exc.description)
+    return str(exc.title)
+
+
+def _serialize_http_error(req: falcon.Request, resp: falcon.Response,
+                          exc: falcon.HTTPError) -> None:
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = _error_body(req, exc.status_code, _http_error_message(req, resp, exc))
+
+
+def _unexpected_error(req: falcon.Request, resp: falcon.Response, exc: Exception,
+                      _params: dict[str, Any]) -> None:
+    # Falcon picks the most specific handler, so its own HTTPErrors never come here.
+    logger.exception("unexpected error answering %s %s", req.method, req.path)
+    resp.status = 500
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = _error_body(req, 500, "the request could not be processed: internal error")
+
+
+def create_app(config: Config, store: Store, hasher: hit_rate.Hasher,
+               metrics: ApiMetrics) -> App:
+    """The WSGI app over injected dependencies."""
+    middleware: list[Any] = [_RequestMetrics(metrics), hit_rate.PostOnly()]
+    app: App = falcon.App(middleware=middleware)
+    app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
+        store, hasher, metrics, config.http.max_hit_rate_body_bytes))
+    app.add_route("/healthz", _Health())
+    app.add_route("/readyz", _Ready(store, metrics))
+    app.add_route("/metrics", _Metrics(metrics))
+    app.add_error_handler(Exception, _unexpected_error)
+    app.add_error_handler(RequestError, _request_error)
+    app.set_error_serializer(_serialize_http_error)
+    return app
+
+
+def redis_client(config: Config) -> redis.Redis:
+    """A pooled client with bounded timeouts and one immediate retry (a stale pooled socket
+    after a Redis restart), so a request fails fast instead of backing off for seconds."""
+    return redis.Redis.from_url(
+        config.redis.url,
+        socket_timeout=config.redis.socket_timeout,
+        socket_connect_timeout=config.redis.connect_timeout,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+def hash_settings(config: Config) -> HashSettings:
+    """The block-hash settings from ``blockKey``; raises ConfigError. (Building a
+    BlockHasher from them can raise it too, e.g. for an unset seed before vLLM 0.29.)"""
+    bk = config.block_key
+    return HashSettings.from_strings(
+        bk.prefix_caching_hash_algo, bk.python_hash_seed, bk.vllm_version)
+
+
+def build_app(config: Config) -> App:
+    """Real dependencies from ``config``; metrics shared through the gunicorn master's dir."""
+    hasher = BlockHasher(hash_settings(config))
+    hasher.member_keys(list(range(16)), 16)  # builds its lazy tables before the first request
+    metrics = ApiMetrics(os.environ.get(METRICS_DIR_ENV) or None)
+    metrics.start_flusher()
+    return create_app(config, Store(redis_client(config)), hasher, metrics)
+
+
+def get_app() -> App:
+    """Entry point for a plain ``gunicorn 'services.api.app:get_app()'``: config from
+    ``CACHE_INDEXER_CONFIG`` (defaults when unset). Without the hooks of
+    :mod:`services.api.gunicorn_conf`, ``/metrics`` then shows only the answering worker."""
+    return build_app(load_config(config_path_from(None)))

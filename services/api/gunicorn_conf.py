@@ -1,0 +1,110 @@
+"""gunicorn settings for the API, derived from the ``http`` section of the config, and its hooks.
+
+How each ``http.*`` key is enforced (gunicorn 22+, ``gthread`` workers):
+
+| key                 | gunicorn setting            | notes |
+|---------------------|-----------------------------|-------|
+| addr                | bind                        | Go style: ``:28080`` = all interfaces; ``--bind`` overrides |
+| workers, threads    | workers, threads            | this project's keys; ``--workers`` overrides |
+| shutdownTimeout     | graceful_timeout            | SIGTERM: workers finish in-flight requests for at most this long |
+| writeTimeout        | timeout                     | gunicorn's worker-silence timeout (a wedged worker is killed and replaced); not a per-response write deadline |
+| idleTimeout         | keepalive                   | idle keep-alive connections are closed after this |
+| maxHeaderBytes      | limit_request_line, limit_request_field_size | each capped at 8190, gunicorn's maximum; with the default 100 fields the header block stays under ~800 KiB |
+| maxHitRateBodyBytes | (the app)                   | :func:`services.api.hit_rate.read_body`: Content-Length check, capped chunked read |
+| readHeaderTimeout   | not enforced                | gunicorn has no header/body read deadline; gthread only waits 5 s for a new connection's first bytes before parking it in the poller, so an idle client holds no thread, but one that stalls mid-request holds one thread |
+| readTimeout         | not enforced                | as above |
+
+Durations are rounded up to whole seconds (gunicorn takes integers). The hooks run the
+cross-worker metrics (:mod:`services.api.api_metrics`): the master creates the shared
+directory before forking (``on_starting``), folds a dead worker's counts into the retired
+sum (``child_exit``) and removes the directory on exit; a worker writes a last snapshot as
+it exits (``worker_exit``). gunicorn's own log records go to the root handler that
+:func:`common.logs.configure` installed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from gunicorn import glogging
+
+from common.config import Config, parse_listen_addr
+from services.api import api_metrics
+
+GUNICORN_MAX_LINE = 8190
+"""gunicorn refuses larger ``limit_request_line`` / ``limit_request_field_size`` values."""
+
+
+def _seconds(value: float) -> int:
+    return max(1, math.ceil(value))
+
+
+def bind_address(addr: str) -> str:
+    """``host:port`` as gunicorn wants it (IPv6 in brackets), from a Go-style address."""
+    host, port = parse_listen_addr(addr)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def gunicorn_settings(config: Config, workers: int | None = None,
+                      bind: str | None = None) -> dict[str, Any]:
+    """Every gunicorn setting the API uses (see the module docstring for the mapping)."""
+    http = config.http
+    line = min(http.max_header_bytes, GUNICORN_MAX_LINE)
+    return {
+        "bind": [bind_address(bind or http.addr)],
+        "workers": workers or http.workers,
+        "worker_class": "gthread",
+        "threads": http.threads,
+        "timeout": _seconds(http.write_timeout),
+        "graceful_timeout": _seconds(http.shutdown_timeout),
+        "keepalive": _seconds(http.idle_timeout),
+        "limit_request_line": line,
+        "limit_request_field_size": line,
+        "loglevel": "warning" if config.log.level == "warn" else config.log.level,
+        "accesslog": None,
+        "errorlog": "-",
+        "logger_class": RootLogger,
+        "proc_name": "cache-indexer-api",
+        "control_socket_disable": True,  # no shared ~/.gunicorn/gunicorn.ctl between servers
+        "on_starting": on_starting,
+        "child_exit": child_exit,
+        "worker_exit": worker_exit,
+        "on_exit": on_exit,
+    }
+
+
+class RootLogger(glogging.Logger):  # type: ignore[misc]
+    """gunicorn's logger, but writing through the root handler (one format for the process)."""
+
+    def setup(self, cfg: Any) -> None:
+        super().setup(cfg)
+        for log in (self.error_log, self.access_log):
+            log.handlers.clear()
+            log.propagate = True
+
+
+def on_starting(arbiter: Any) -> None:
+    """Master, before forking: the shared metrics directory, inherited by workers via env."""
+    os.environ[api_metrics.METRICS_DIR_ENV] = tempfile.mkdtemp(prefix="cache-indexer-metrics-")
+
+
+def child_exit(arbiter: Any, worker: Any) -> None:
+    """Master: keep a dead worker's counts in the retired sum and drop its file."""
+    shared = os.environ.get(api_metrics.METRICS_DIR_ENV)
+    if shared:
+        api_metrics.SnapshotDir(shared).retire(worker.pid)
+
+
+def worker_exit(arbiter: Any, worker: Any) -> None:
+    """Worker, exiting: a last snapshot so the master can retire up-to-date counts."""
+    api_metrics.flush_active()
+
+
+def on_exit(arbiter: Any) -> None:
+    shared = os.environ.pop(api_metrics.METRICS_DIR_ENV, None)
+    if shared:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -1,0 +1,192 @@
+"""``POST /kv-cache/hit-rate``: read and validate the request, hash the prompt, score instances.
+
+The contract (original-contract.md §1) in short: one score per ``server_ip`` in input order,
+duplicates kept; ``n = len(token_ids) // block_size`` full blocks; a ratio is the longest
+run of the prompt's blocks, from block 0, that the instance holds in a tier, divided by
+``n``; all Redis reads of a request are one pipelined round trip
+(:meth:`common.store.Store.prefix_lengths`). Every failure is a
+:class:`~common.errors.RequestError` whose status is both the HTTP status and the body's
+``status``; :mod:`services.api.app` renders it.
+
+The body is never read past ``http.maxHitRateBodyBytes``: a larger ``Content-Length`` is
+refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
+Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
+hold: ``[0, 2**64)``, or ``[0, 2**31)`` for vLLM >= 0.34 (:mod:`common.blockhash` decides,
+for the partial tail block too); anything else is a 400, as vLLM would refuse the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import falcon
+import orjson
+import redis
+
+from common.errors import RequestError
+from common.store import Store
+from services.api.api_metrics import ApiMetrics
+
+logger = logging.getLogger(__name__)
+
+PATH = "/kv-cache/hit-rate"
+_READ_CHUNK = 64 * 1024
+_TOP_FIELDS = ("server_ip", "body")
+_BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
+_BODY_REQUIRED = ("token_ids", "block_size")
+UNREACHABLE = "the hit rate could not be computed: the state store is unreachable"
+
+
+class Hasher(Protocol):
+    """What the API needs of :class:`common.blockhash.BlockHasher`."""
+
+    def member_keys(self, token_ids: list[int], block_size: int,
+                    cache_salt: str | None = None) -> list[bytes]: ...
+
+
+@dataclass(frozen=True)
+class HitRateRequest:
+    server_ips: list[str]
+    token_ids: list[int]
+    block_size: int
+    cache_salt: str | None  # "" in the request means no salt: stored as None
+
+
+def read_body(req: falcon.Request, limit: int) -> bytes:
+    """The raw body, refusing (413) anything over ``limit`` bytes without reading it all."""
+    length = req.content_length
+    if length is not None:
+        if length > limit:
+            raise RequestError(413, f"the request body is larger than the limit of {limit} bytes")
+        return req.bounded_stream.read()
+    if "chunked" not in (req.get_header("Transfer-Encoding") or "").lower():
+        return b""  # no Content-Length and not chunked: HTTP says there is no body
+    data = bytearray()
+    while len(data) <= limit:
+        chunk = req.stream.read(min(_READ_CHUNK, limit + 1 - len(data)))
+        if not chunk:
+            break
+        data += chunk
+    if len(data) > limit:
+        raise RequestError(413, f"the request body is larger than the limit of {limit} bytes")
+    return bytes(data)
+
+
+def parse_request(raw: bytes) -> HitRateRequest:
+    """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid."""
+    if not raw.strip():
+        raise _bad("the request body is empty")
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"the request body is not valid JSON ({exc})") from None
+    top = _fields(doc, "", _TOP_FIELDS, _TOP_FIELDS)
+    ips = top["server_ip"]
+    if not isinstance(ips, list):
+        raise _bad(f"server_ip must be a list of strings, got {_kind(ips)}")
+    if not ips:
+        raise _bad("server_ip must not be empty")
+    for i, ip in enumerate(ips):
+        if not isinstance(ip, str):
+            raise _bad(f"server_ip[{i}] must be a string, got {_kind(ip)}")
+    body = _fields(top["body"], "body.", _BODY_FIELDS, _BODY_REQUIRED)
+    block_size = body["block_size"]
+    if type(block_size) is not int:
+        raise _bad(f"body.block_size must be an integer, got {_kind(block_size)}")
+    if block_size <= 0:
+        raise _bad(f"body.block_size must be greater than 0, got {block_size}")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
+    return HitRateRequest(ips, _token_ids(body["token_ids"]), block_size, salt or None)
+
+
+def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
+            required: tuple[str, ...]) -> dict[str, Any]:
+    where = prefix.rstrip(".") or "the request body"
+    if not isinstance(doc, dict):
+        raise _bad(f"{where} must be a JSON object, got {_kind(doc)}")
+    for name in doc:
+        if name not in allowed:
+            raise _bad(f"the request has an unknown field {prefix}{name}")
+    for name in required:
+        if name not in doc:
+            raise _bad(f"the required field {prefix}{name} is missing")
+    return doc
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """JSON integers only (no ``true``, no ``1.0``); the range is the hasher's to check."""
+    if not isinstance(ids, list):
+        raise _bad(f"body.token_ids must be a list of integers, got {_kind(ids)}")
+    # One pass in C for the common all-int case; the loop below only names the culprit.
+    if not ids or set(map(type, ids)) == {int}:
+        return ids
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise _bad(f"body.token_ids[{i}] must be a non-negative integer, got {t!r}")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(400, message)
+
+
+def score(request: HitRateRequest, store: Store, hasher: Hasher,
+          metrics: ApiMetrics) -> list[dict[str, Any]]:
+    """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order."""
+    n = len(request.token_ids) // request.block_size
+    try:  # hashes the n full blocks and range-checks every id, the partial tail included
+        members = hasher.member_keys(request.token_ids, request.block_size, request.cache_salt)
+    except ValueError as exc:  # a negative id, or one wider than the configured vLLM's ids
+        raise RequestError(400, f"body.token_ids cannot be hashed for vLLM: {exc}") from None
+    metrics.hashed_blocks.inc(len(members))
+    try:
+        lengths = store.prefix_lengths(request.server_ips, members)  # no Redis call if n == 0
+    except redis.RedisError as exc:
+        metrics.redis_errors.inc(op="hit_rate")
+        logger.warning("hit rate: Redis failed: %s", exc)
+        raise RequestError(500, UNREACHABLE) from None
+    return [
+        {"server_ip": ip, "l1_hit_ratio": l1 / n if n else 0.0,
+         "l3_hit_ratio": l3 / n if n else 0.0}
+        for ip, (l1, l3) in zip(request.server_ips, lengths)
+    ]
+
+
+def error_document(status: int, message: str) -> bytes:
+    return orjson.dumps({"server_score_list": [], "message": message, "status": status})
+
+
+class HitRateResource:
+    """``/kv-cache/hit-rate``; other methods are refused by :class:`PostOnly`."""
+
+    def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int) -> None:
+        self.store, self.hasher, self.metrics = store, hasher, metrics
+        self.body_limit = body_limit
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        request = parse_request(read_body(req, self.body_limit))
+        scores = score(request, self.store, self.hasher, self.metrics)
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})
+
+
+class PostOnly:
+    """Middleware: every method but POST on this path is a 405 with ``Allow: POST``.
+
+    Falcon alone would answer OPTIONS itself (200) and call a non-standard method a 400.
+    """
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response,
+                         resource: object, params: dict[str, Any]) -> None:
+        if req.uri_template == PATH and req.method != "POST":
+            raise falcon.HTTPMethodNotAllowed(["POST"])

@@ -1,0 +1,205 @@
+"""What one KV-event batch does to an instance's index, and where it fits in the sequence.
+
+Pure (no I/O), so every rule here is unit-tested directly:
+
+* :func:`plan_ops` maps a decoded batch to the store's :class:`~common.store.TierOps`.
+  - **Medium.** ``"GPU"`` (any case) and ``None`` (vLLM < 0.10.2 sends no medium) go to tier
+    ``l1``; every other medium (``CPU``/``STORAGE`` from the offloading connector, ``cpu`` from
+    the Mooncake store connector, LMCache's own names) goes to tier ``l2``, never to ``l1``.
+  - **KV-cache group.** An event is indexed only when it belongs to the full-attention group a
+    prefix hit is computed on: ``group_idx`` is ``None`` or ``0`` *and* ``kv_cache_spec_kind`` is
+    ``None`` or one of :data:`FULL_ATTENTION_KINDS`. Old versions send neither field (plain
+    models have only group 0). Hybrid models whose group 0 is not full attention (sliding
+    window, mamba, …) are deliberately under-reported rather than over-reported: a sliding-
+    window group drops old blocks, so its hashes say nothing about a reusable prefix.
+  - **Placeholders** (``token_ids == []`` and ``block_size == 0``, emitted by connectors) are
+    not indexed. ``AllBlocksCleared`` clears tier ``l1`` of the batch's rank only: it carries no
+    medium and is only emitted by the GPU block pool's ``reset_prefix_cache``.
+* :class:`Cursor` / :func:`classify` decide whether a live sequence number is the next one, a
+  duplicate (already applied via replay), a gap, or a publisher restart.
+* :func:`plan_run` orders replayed and live batches and marks where a gap could not be filled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from common.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    hash_to_int,
+)
+from common.store import TierOps
+
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
+"""Spec kinds whose blocks form a reusable prefix (plain and MLA attention)."""
+
+L1, L2 = "l1", "l2"
+_KNOWN_MEDIA = frozenset({"CPU", "STORAGE", "DISK", "GPU"})
+
+
+def tier_for_medium(medium: str | None) -> str:
+    """``l1`` for GPU (or no medium: vLLM < 0.10.2), ``l2`` for every other medium."""
+    return L1 if medium is None or medium.upper() == "GPU" else L2
+
+
+def medium_label(medium: str | None) -> str:
+    """A bounded metric label for a non-GPU medium (the wire may carry any string)."""
+    name = (medium or "").upper()
+    return name if name in _KNOWN_MEDIA else "other"
+
+
+def in_prefix_group(group_idx: int | None, kind: str | None = None) -> bool:
+    """True for events of the full-attention group 0 (or of versions that predate groups)."""
+    return group_idx in (None, 0) and (kind is None or kind in FULL_ATTENTION_KINDS)
+
+
+@dataclass
+class Plan:
+    """The store writes of one batch plus per-event outcome counts for metrics.
+
+    ``outcomes`` keys are ``(event_type, outcome)``; outcome is ``l1``, ``l2``, ``other_group``,
+    ``placeholder`` or ``skipped:<reason>`` (malformed / unknown events of the batch).
+    ``other_media`` counts events sent to ``l2`` by medium label (:func:`medium_label`),
+    ``hash_updates`` the hashes stored or removed per tier.
+    """
+
+    ops: TierOps = field(default_factory=TierOps)
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    other_media: Counter[str] = field(default_factory=Counter)
+    hash_updates: Counter[str] = field(default_factory=Counter)
+
+
+def plan_ops(batch: EventBatch) -> Plan:
+    """Translate one decoded batch into ordered tier operations (consecutive ops merged)."""
+    plan = Plan()
+    for event in batch.events:
+        kind, outcome = _plan_event(event, plan)
+        plan.outcomes[(kind, outcome)] += 1
+    for skipped in batch.skipped:
+        plan.outcomes[("unknown", f"skipped:{skipped.reason}")] += 1
+    return plan
+
+
+def _plan_event(event: Event, plan: Plan) -> tuple[str, str]:
+    if isinstance(event, AllBlocksCleared):
+        plan.ops.clear(L1)
+        return "AllBlocksCleared", L1
+    if isinstance(event, BlockStored):
+        if not event.token_ids and event.block_size == 0:
+            return "BlockStored", "placeholder"
+        if not in_prefix_group(event.group_idx, event.kv_cache_spec_kind):
+            return "BlockStored", "other_group"
+        tier = _tier(plan, event.medium)
+        _add(plan, "S", tier, [hash_to_int(h) for h in event.block_hashes])
+        return "BlockStored", tier
+    assert isinstance(event, BlockRemoved)
+    if not in_prefix_group(event.group_idx):
+        return "BlockRemoved", "other_group"
+    tier = _tier(plan, event.medium)
+    _add(plan, "R", tier, [hash_to_int(h) for h in event.block_hashes])
+    return "BlockRemoved", tier
+
+
+def _tier(plan: Plan, medium: str | None) -> str:
+    tier = tier_for_medium(medium)
+    if tier != L1:
+        plan.other_media[medium_label(medium)] += 1
+    return tier
+
+
+def _add(plan: Plan, op: str, tier: str, hashes: list[int]) -> None:
+    """Append ``op``; merge into the previous op when it is the same op on the same tier."""
+    plan.hash_updates[tier] += len(hashes)
+    ops = plan.ops.ops
+    if ops and ops[-1][0] == op and ops[-1][1] == tier:
+        ops[-1][2].extend(hashes)
+    else:
+        ops.append((op, tier, hashes))
+
+
+# -- sequence tracking --------------------------------------------------------------------
+
+APPLY, DUPLICATE, GAP, RESTART = "apply", "duplicate", "gap", "restart"
+
+
+@dataclass
+class Cursor:
+    """Sequence state of one instance rank for one subscription session.
+
+    ``applied`` is the last applied sequence (read from the store when the session starts;
+    ``None`` = nothing applied yet, the stream is joined wherever it is). ``live_max`` is the
+    highest sequence seen on the live socket this session, ``covered_from`` the lowest one this
+    session applied. ``reset_pending`` makes the next write clear the rank first.
+    """
+
+    applied: int | None = None
+    live_max: int | None = None
+    covered_from: int | None = None
+    reset_pending: bool = False
+
+    def expected(self) -> int | None:
+        return None if self.applied is None else self.applied + 1
+
+    def mark_applied(self, seq: int) -> None:
+        self.applied = seq
+        self.reset_pending = False
+        if self.covered_from is None or seq < self.covered_from:
+            self.covered_from = seq
+
+    def mark_restart(self) -> None:
+        """The publisher restarted: expect sequence 0 and clear the rank on the next write."""
+        self.applied = -1
+        self.live_max = None
+        self.covered_from = None
+        self.reset_pending = True
+
+
+def classify(cursor: Cursor, seq: int) -> str:
+    """What a *live* batch with ``seq`` is, given the cursor (does not change it).
+
+    A live sequence at or below ``applied`` is a duplicate only if this session already
+    applied it (replay overlapping the live stream). Otherwise it went backwards, which a
+    single publisher never does: vLLM restarted and began again at 0.
+    """
+    if cursor.applied is None or seq == cursor.applied + 1:
+        return APPLY
+    if seq > cursor.applied + 1:
+        return GAP
+    if cursor.live_max is not None and seq <= cursor.live_max:
+        return RESTART
+    if cursor.covered_from is not None and seq >= cursor.covered_from:
+        return DUPLICATE
+    return RESTART
+
+
+@dataclass(frozen=True)
+class Step:
+    """One batch to write: its sequence, payload, and whether an unfilled gap precedes it."""
+
+    seq: int
+    payload: bytes
+    gap_before: bool = False
+
+
+def plan_run(applied: int | None, batches: list[tuple[int, bytes]]) -> tuple[list[Step], int]:
+    """Order candidate batches (replayed + live) after ``applied``; flag unfilled gaps.
+
+    Batches at or below ``applied`` and repeated sequences are dropped. With ``applied`` None
+    (joining a stream) the first batch starts the run without a gap. Returns the steps and
+    the number of dropped duplicates.
+    """
+    steps: list[Step] = []
+    expected = None if applied is None else applied + 1
+    dropped = 0
+    for seq, payload in sorted(batches, key=lambda b: b[0]):
+        if expected is not None and seq < expected:
+            dropped += 1
+            continue
+        steps.append(Step(seq, payload, gap_before=expected is not None and seq > expected))
+        expected = seq + 1
+    return steps, dropped

@@ -1,0 +1,218 @@
+"""One subscribed (instance, DP rank): its sequence cursor, replays, and fenced writes.
+
+The subscriber hands every live batch of the rank to :meth:`RankStream.on_live`. A batch
+that follows the last applied one is written at once (one ``Store.apply_batch`` = one Lua
+round trip). A gap starts a replay (when the instance has a replay endpoint); the live batch
+that revealed it waits, and the subscriber stops reading the rank's SUB socket (ZMQ queues
+the rest) until :meth:`finish_replay` has written the replayed batches and then that one.
+What replay cannot cover is handled by ``ingest.l1.onUnrecoverableGap``: ``keep`` writes the
+next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True``.
+
+A payload that is not an EventBatch is dropped and counted, but its sequence is still
+recorded (an empty write): vLLM sent it, replaying it would return the same bytes, and
+treating it as a gap would clear or flag the index for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from common.errors import NotABatchError
+from common.events import decode_batch
+from common.store import Instance, Store, TierOps
+from services.l1_ingest.apply import (
+    APPLY,
+    DUPLICATE,
+    GAP,
+    RESTART,
+    Cursor,
+    Plan,
+    Step,
+    classify,
+    plan_ops,
+    plan_run,
+)
+from services.l1_ingest.metrics import IngestMetrics
+from services.l1_ingest.replay import ReplayRequest
+
+logger = logging.getLogger(__name__)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's per-DP-rank endpoint: tcp port + rank, inproc ``_dp<rank>``; rank 0 unchanged."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return f"{base}:{int(port) + rank}"
+    return endpoint
+
+
+class RankStream:
+    """Sequence state and writes of one instance rank for one subscription session."""
+
+    def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
+                 *, owner: str, gap_policy: str, replay_timeout: float,
+                 metrics: IngestMetrics) -> None:
+        self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
+        self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
+        self.metrics = metrics
+        self.name = f"{inst.ip}/r{rank}"
+        self.replay_endpoint = rank_endpoint(inst.replay_endpoint, rank)
+        self.cursor = Cursor(applied=store.last_seq(inst.ip, rank))
+        self.replay: ReplayRequest | None = None
+        self.pending: tuple[int, bytes] | None = None
+        self.fenced = ""
+
+    @property
+    def paused(self) -> bool:
+        """True while live batches must wait (replay in flight) or cannot be written (fenced)."""
+        return self.replay is not None or bool(self.fenced)
+
+    # -- events from the subscriber --------------------------------------------------------
+
+    def on_connected(self) -> None:
+        """(Re)connected: catch up through replay, starting *at* the last applied sequence.
+
+        Asking from ``applied`` rather than ``applied + 1`` makes the reply prove continuity:
+        a publisher always buffers its newest batch, which is >= ``applied`` if it is the one
+        we followed, so an empty reply means vLLM restarted while we were not connected.
+        """
+        if self.replay_endpoint and not self.paused:
+            applied = self.cursor.applied
+            self._start_replay(applied if applied is not None and applied >= 0 else 0, None)
+
+    def on_live(self, seq: int, payload: bytes) -> None:
+        verdict = classify(self.cursor, seq)
+        if verdict == RESTART:
+            logger.warning("%s: sequence went back from %s to %d: publisher restarted, "
+                           "dropping the rank's index", self.name, self.cursor.applied, seq)
+            self.metrics.restarts.inc()
+            self.cursor.mark_restart()
+            verdict = APPLY if seq == 0 else GAP
+        live_max = self.cursor.live_max
+        self.cursor.live_max = seq if live_max is None else max(seq, live_max)
+        if verdict == DUPLICATE:
+            self.metrics.batches.inc(result="duplicate")
+            return
+        expected = self.cursor.expected()
+        if verdict == GAP and self.replay_endpoint and expected is not None:
+            logger.info("%s: gap before seq %d (last applied %s): replaying",
+                        self.name, seq, self.cursor.applied)
+            self._start_replay(expected, (seq, payload))
+            return
+        self._write_run([(seq, payload)], counting_gap=verdict == GAP)
+
+    def finish_replay(self) -> None:
+        """The replay ended (end marker or deadline): write its batches, then the held one."""
+        replay, self.replay = self.replay, None
+        if replay is None:
+            return
+        self.metrics.replays.inc(result="complete" if replay.complete else "timeout")
+        batches = list(replay.batches)
+        held, self.pending = self.pending, None
+        logger.info("%s: replay from %d returned %d batches%s", self.name, replay.start_seq,
+                    len(batches), "" if replay.complete else " before timing out")
+        if held is None and replay.complete and not batches:
+            self._empty_catch_up()
+        if held is not None:
+            batches.append(held)
+        self._write_run(batches, counting_gap=held is not None)
+
+    def close(self) -> None:
+        if self.replay is not None:
+            self.replay.close()
+            self.replay = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _empty_catch_up(self) -> None:
+        """A connect-time replay found nothing at or after where we stand."""
+        applied = self.cursor.applied
+        if applied is None:
+            # Nothing was published yet: the stream starts at 0, so if the first live batch
+            # is lost (slow joiner, spec §1.2) the next one shows up as a gap.
+            self.cursor.applied = -1
+        elif applied >= 0:
+            logger.warning("%s: publisher no longer has seq %d: it restarted, dropping the "
+                           "rank's index", self.name, applied)
+            self.metrics.restarts.inc()
+            self.cursor.mark_restart()
+            result = self.store.apply_batch(self.inst.ip, self.inst.gen, self.rank, -1,
+                                            TierOps(), owner=self.owner, reset=True)
+            if result.status != "applied":
+                self.fenced = result.status
+                return
+            self.cursor.mark_applied(-1)
+            self._start_replay(0, None)  # whatever the new publisher sent so far
+
+    def _start_replay(self, start: int, held: tuple[int, bytes] | None) -> None:
+        self.pending = held
+        self.replay = ReplayRequest(self.ctx, self.replay_endpoint, start, self.replay_timeout)
+
+    def _write_run(self, batches: list[tuple[int, bytes]], *, counting_gap: bool) -> None:
+        """Write batches in sequence order; count the gap (if one was seen) by its outcome."""
+        steps, dropped = plan_run(self.cursor.applied, batches)
+        if dropped:
+            self.metrics.batches.inc(dropped, result="duplicate")
+        unfilled = any(step.gap_before for step in steps)
+        if counting_gap and not unfilled:
+            self.metrics.gaps.inc(outcome="recovered")
+        for step in steps:
+            if self.fenced:
+                return
+            self._write(step)
+
+    def _write(self, step: Step) -> None:
+        plan = self._plan(step)
+        reset = self.cursor.reset_pending
+        gap = False
+        if step.gap_before:
+            self.metrics.gaps.inc(outcome="unrecoverable")
+            logger.error("%s: batches %s..%d are lost (no replay covers them): %s the index",
+                         self.name, self.cursor.expected(), step.seq - 1,
+                         "clearing" if self.gap_policy == "clear" else "keeping (flagged)")
+            reset = reset or self.gap_policy == "clear"
+            gap = self.gap_policy != "clear"
+        started = time.perf_counter()
+        result = self.store.apply_batch(
+            self.inst.ip, self.inst.gen, self.rank, step.seq, plan.ops,
+            owner=self.owner, reset=reset, gap=gap)
+        self.metrics.apply_seconds.observe(time.perf_counter() - started)
+        self.metrics.batches.inc(result=result.status)
+        if result.status == "applied":
+            self.cursor.mark_applied(step.seq)
+            self._count(plan)
+        elif result.status == "duplicate":
+            self.cursor.applied = self.store.last_seq(self.inst.ip, self.rank)
+        else:
+            self.fenced = result.status
+            logger.error("%s: write of seq %d refused (%s): stopping this subscription",
+                         self.name, step.seq, result.status)
+
+    def _plan(self, step: Step) -> Plan:
+        try:
+            batch = decode_batch(step.payload)
+        except NotABatchError as exc:
+            logger.error("%s: seq %d is not an event batch (%d bytes): %s",
+                         self.name, step.seq, len(step.payload), exc)
+            self.metrics.malformed_frames.inc(reason=exc.reason)
+            return Plan(TierOps())
+        for skipped in batch.skipped:
+            logger.error("%s: seq %d event %d skipped (%s): %s",
+                         self.name, step.seq, skipped.index, skipped.reason, skipped.detail)
+        return plan_ops(batch)
+
+    def _count(self, plan: Plan) -> None:
+        for (kind, outcome), n in plan.outcomes.items():
+            self.metrics.events.inc(n, type=kind, outcome=outcome)
+        for medium, n in plan.other_media.items():
+            self.metrics.skipped_media.inc(n, medium=medium)
+        for tier, n in plan.hash_updates.items():
+            self.metrics.hash_updates.inc(n, tier=tier)

@@ -1,0 +1,278 @@
+"""The L1 ingester's ZMQ side: one SUB socket per instance rank, all in one poll loop.
+
+One thread owns every socket (ZMQ sockets are not thread-safe) and runs a ``zmq.Poller``
+with a 250 ms timeout, so a stop request or a new instance set is noticed quickly. Per
+instance rank there are a SUB socket (connected to the rank's endpoint; libzmq reconnects
+with ``RECONNECT_IVL`` = ``backoffInitial`` doubling up to ``backoffMax``), its socket monitor
+(connect / disconnect logged once per change; every successful handshake triggers a catch-up
+replay), and, while a replay is in flight, that replay's DEALER.
+
+Live messages must be ``[topic, seq (8 bytes, big-endian), payload]``; anything else is
+counted and dropped. Each batch goes to its :class:`~services.l1_ingest.stream.RankStream`.
+Instances come from :meth:`Subscriber.set_instances` (called by the assignment loop in
+another thread); a changed generation or endpoint resubscribes with fresh state. A Redis
+failure or a refused (fenced) write closes the instance's sockets and retries with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from common.config import IngestL1
+from common.lifecycle import Backoff, StateLog
+from common.store import Instance, Store
+from services.l1_ingest.metrics import IngestMetrics
+from services.l1_ingest.stream import RankStream, rank_endpoint
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 250
+DRAIN_MAX = 500
+"""Messages read from one socket per poll round, so a busy instance cannot starve others."""
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+def parse_live(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """``[topic, seq8, payload]`` → ``(seq, payload)``; ``None`` for any other shape."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big"), frames[2]
+
+
+@dataclass(eq=False)
+class _Conn:
+    stream: RankStream
+    sub: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    state: StateLog
+    connected: bool = False
+
+
+def _same(a: Instance, b: Instance) -> bool:
+    return (a.gen, a.zmq_endpoint, a.replay_endpoint, a.dp_size) == (
+        b.gen, b.zmq_endpoint, b.replay_endpoint, b.dp_size)
+
+
+class Subscriber:
+    """All subscriptions of one ingester process; :meth:`run` is its thread."""
+
+    def __init__(self, store: Store, cfg: IngestL1, metrics: IngestMetrics, *, owner: str = "",
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self.store, self.cfg, self.metrics, self.owner = store, cfg, metrics, owner
+        self.ctx = ctx or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._incoming: dict[str, Instance] | None = None
+        self._wanted: dict[str, Instance] = {}
+        self._active: dict[str, Instance] = {}
+        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._by_socket: dict[zmq.Socket[bytes], tuple[str, _Conn]] = {}
+        self._retry: dict[str, tuple[float, Backoff]] = {}
+        self._poller = zmq.Poller()
+        self._dirty = True
+
+    def set_instances(self, instances: dict[str, Instance]) -> None:
+        """Thread-safe: the instances (ip → registry entry) this process must follow."""
+        with self._lock:
+            self._incoming = dict(instances)
+
+    def run(self, stop: threading.Event) -> None:
+        logger.info("subscriber started (topic %r)", self.cfg.topic)
+        try:
+            while not stop.is_set():
+                try:
+                    self.run_once()
+                except Exception:  # the top of the loop: log, keep serving other instances
+                    logger.exception("subscriber loop error")
+                    stop.wait(0.1)
+        finally:
+            self.close()
+
+    def run_once(self, timeout_ms: int = POLL_MS) -> None:
+        self._reconcile()
+        if self._dirty:
+            self._sync_poller()
+        for sock, _ in self._poller.poll(timeout_ms):
+            if sock in self._by_socket:
+                self._dispatch(sock)
+        for conn in list(self._conns.values()):
+            replay = conn.stream.replay
+            if replay is not None and replay.expired():
+                self._guarded(conn, conn.stream.finish_replay)
+
+    def close(self) -> None:
+        for ip in list(self._active):
+            self._drop(ip)
+
+    # -- instance set ----------------------------------------------------------------------
+
+    def _reconcile(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, None
+        if incoming is not None:
+            for ip, inst in incoming.items():
+                old = self._wanted.get(ip)
+                if old is not None and not _same(old, inst):
+                    self._retry.pop(ip, None)
+            self._wanted = incoming
+        elif not self._retry:
+            return
+        for ip, inst in list(self._active.items()):
+            want = self._wanted.get(ip)
+            if want is None or not _same(inst, want):
+                logger.info("unsubscribing %s (%s)", ip, "gone" if want is None else "changed")
+                self._drop(ip)
+        now = time.monotonic()
+        for ip, inst in self._wanted.items():
+            if ip not in self._active and self._retry.get(ip, (0.0, None))[0] <= now:
+                self._open(inst)
+        self._retry = {ip: r for ip, r in self._retry.items() if ip in self._wanted}
+
+    def _open(self, inst: Instance) -> None:
+        if not inst.zmq_endpoint:
+            self._schedule_retry(inst.ip, "no ZMQ endpoint registered")
+            return
+        self._active[inst.ip] = inst
+        try:
+            for rank in range(max(1, inst.dp_size)):
+                self._open_rank(inst, rank)
+        except (redis.RedisError, zmq.ZMQError) as exc:
+            self._drop(inst.ip)
+            self._schedule_retry(inst.ip, f"cannot subscribe: {exc}")
+            return
+        logger.info("subscribed to %s at %s (dp %d, replay %s, gen %d)", inst.ip,
+                    inst.zmq_endpoint, inst.dp_size, inst.replay_endpoint or "none", inst.gen)
+
+    def _open_rank(self, inst: Instance, rank: int) -> None:
+        stream = RankStream(
+            inst, rank, self.store, self.ctx, owner=self.owner,
+            gap_policy=self.cfg.on_unrecoverable_gap, replay_timeout=self.cfg.replay_timeout,
+            metrics=self.metrics)
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoff_initial * 1000)))
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoff_max * 1000)))
+        sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
+        monitor = sub.get_monitor_socket(_MONITORED)
+        conn = _Conn(stream, sub, monitor, StateLog(logger, f"publisher {stream.name}"))
+        self._conns[(inst.ip, rank)] = conn
+        self._by_socket[sub] = ("sub", conn)
+        self._by_socket[monitor] = ("monitor", conn)
+        self._dirty = True
+        sub.connect(rank_endpoint(inst.zmq_endpoint, rank))
+        conn.state.set("connecting", rank_endpoint(inst.zmq_endpoint, rank))
+        self.metrics.subscribed.set(len(self._conns))
+
+    def _drop(self, ip: str) -> None:
+        inst = self._active.pop(ip, None)
+        for rank in range(max(1, inst.dp_size if inst else 1)):
+            conn = self._conns.pop((ip, rank), None)
+            if conn is not None:
+                self._close_conn(conn)
+        self.metrics.subscribed.set(len(self._conns))
+        self._dirty = True
+
+    def _close_conn(self, conn: _Conn) -> None:
+        for sock in (conn.sub, conn.monitor):
+            self._by_socket.pop(sock, None)
+        if conn.connected:
+            self.metrics.connected.inc(-1)
+        conn.stream.close()
+        conn.sub.disable_monitor()
+        conn.monitor.close(linger=0)
+        conn.sub.close(linger=0)
+
+    def _schedule_retry(self, ip: str, why: str) -> None:
+        _, backoff = self._retry.get(ip, (0.0, None))
+        backoff = backoff or Backoff(self.cfg.backoff_initial, self.cfg.backoff_max)
+        delay = backoff.next_delay()
+        self._retry[ip] = (time.monotonic() + delay, backoff)
+        logger.warning("instance %s: %s; retrying in %.1fs", ip, why, delay)
+
+    # -- poll loop -------------------------------------------------------------------------
+
+    def _sync_poller(self) -> None:
+        """Poll monitors always, SUBs unless paused, and the DEALER of each replay in flight."""
+        self._poller = zmq.Poller()
+        self._by_socket = {s: v for s, v in self._by_socket.items() if v[0] != "replay"}
+        for conn in self._conns.values():
+            self._poller.register(conn.monitor, zmq.POLLIN)
+            replay = conn.stream.replay
+            if replay is not None and not replay.done:
+                self._poller.register(replay.socket, zmq.POLLIN)
+                self._by_socket[replay.socket] = ("replay", conn)
+            if not conn.stream.paused:
+                self._poller.register(conn.sub, zmq.POLLIN)
+        self._dirty = False
+
+    def _dispatch(self, sock: zmq.Socket[bytes]) -> None:
+        kind, conn = self._by_socket[sock]
+        if kind == "sub":
+            self._guarded(conn, lambda: self._read_live(conn))
+        elif kind == "monitor":
+            self._guarded(conn, lambda: self._read_monitor(conn))
+        else:
+            replay = conn.stream.replay
+            if replay is not None and replay.socket is sock and replay.read():
+                self._guarded(conn, conn.stream.finish_replay)
+
+    def _guarded(self, conn: _Conn, action: Callable[[], None]) -> None:
+        """Run a stream action; on Redis failure or fencing, close the instance and retry."""
+        before = (conn.stream.paused, conn.stream.replay)
+        ip = conn.stream.inst.ip
+        try:
+            action()
+        except redis.RedisError as exc:
+            self._drop(ip)
+            self._schedule_retry(ip, f"Redis failed: {exc}")
+            return
+        if conn.stream.fenced:
+            self._drop(ip)
+            self._schedule_retry(ip, f"writes refused ({conn.stream.fenced})")
+        elif (conn.stream.paused, conn.stream.replay) != before:
+            self._dirty = True
+
+    def _read_live(self, conn: _Conn) -> None:
+        for _ in range(DRAIN_MAX):
+            if conn.stream.paused:
+                return
+            try:
+                frames = conn.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            item = parse_live(frames)
+            if item is None:
+                self.metrics.malformed_frames.inc(reason="framing")
+                logger.error("%s: dropped a message of %d frames (want topic, seq, payload)",
+                             conn.stream.name, len(frames))
+                continue
+            conn.stream.on_live(*item)
+
+    def _read_monitor(self, conn: _Conn) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(conn.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            code = event["event"]
+            if code == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                conn.state.set("connected", str(event["endpoint"]))
+                if not conn.connected:
+                    conn.connected = True
+                    self.metrics.connected.inc(1)
+                conn.stream.on_connected()
+            elif code == zmq.EVENT_DISCONNECTED:
+                conn.state.set("disconnected", "libzmq reconnects", logging.WARNING)
+                if conn.connected:
+                    conn.connected = False
+                    self.metrics.connected.inc(-1)
+            elif code == zmq.EVENT_CONNECT_RETRIED:
+                conn.state.set("unreachable", "retrying", logging.WARNING)

@@ -1,0 +1,262 @@
+"""Compact per-master L3 state: which vLLM keys the master holds, where, and what that means
+for each instance.
+
+Per key only ``(namespace id << 64 | u64 hash) → location id`` is kept, in one dict
+(≈ 80 bytes per key measured; the key strings are never kept). A namespace is one
+(model head, tp, pcp, dcp, pp, group), interned once per distinct key prefix; a location
+is an interned tuple of replica endpoints. Located keys are not queried again while every
+endpoint of their location still maps to a live segment.
+
+Rules (see docs/l3-poller.md):
+
+* **complete block**: for a model head, a hash counts only when a key exists for every
+  (rank namespace, group) of that head seen within the last ``ns_memory`` seconds
+  (``ingest.l3.staleAfter``), this poll included: a block with one TP/PP shard or one
+  group missing cannot be loaded by vLLM. The memory matters when *all* keys of one
+  namespace vanish at once (its segments' pod died): for that long the head's blocks stay
+  incomplete; afterwards the head is judged by the namespaces it still has (so a
+  redeployment with another TP size is picked up).
+* scope ``segment``: an instance holds a complete block when at least one of the block's
+  keys has a replica on one of the instance's segments (host of the segment name).
+* scope ``pool``: every complete block of the master counts for every instance attached
+  to it (an instance is attached when it has a segment on the master).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from services.l3_poller.client import Replicas
+from services.l3_poller.keys_parser import (
+    U64_MASK,
+    Namespace,
+    host_of,
+    is_url_safe,
+    parse_prefix,
+    split_key,
+)
+
+UNLOCATED = 0
+"""Location id of a key not located yet (never valid: it is queried)."""
+_PREFIX_CACHE_MAX = 65_536
+"""Distinct prefixes remembered; other tenants' keys may each have their own."""
+
+
+def canonical_ip(host: str) -> str:
+    """``FD00:0::1`` → ``fd00::1``; anything that is not an IP address is kept as is."""
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host
+
+
+class SegmentMap:
+    """Segments of one master at one time: which pod IPs have segments, endpoint → pod IP."""
+
+    def __init__(self, segments: list[str], detail: dict[str, str] | None) -> None:
+        self.names = set(segments)
+        self.attached = {canonical_ip(host_of(s)) for s in segments}
+        self.detailed = detail is not None
+        self._ep_ip = {ep: canonical_ip(host_of(seg)) for ep, seg in (detail or {}).items()}
+
+    def ip_of(self, endpoint: str) -> str | None:
+        """Pod IP of a replica endpoint, ``None`` when no live segment matches it.
+
+        With ``/get_segments_detail`` the te_endpoint table is exact; without it (≤ 0.3.11)
+        the endpoint's host must be the host of a listed segment (P2PHANDSHAKE endpoints
+        have another port than the segment name, so ports cannot be compared).
+        """
+        ip = self._ep_ip.get(endpoint)
+        if ip is not None:
+            return ip
+        if self.detailed and endpoint not in self.names:
+            return None
+        ip = canonical_ip(host_of(endpoint))
+        return ip if ip in self.attached else None
+
+
+@dataclass
+class PollStats:
+    seen: int = 0
+    parsed: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    to_locate: int = 0
+
+
+@dataclass
+class Blocks:
+    """Result of one poll: ``per_ip`` (scope segment) or ``pool`` (scope pool) block hashes."""
+
+    per_ip: dict[str, set[int]]
+    pool: set[int] | None
+    complete: int
+
+
+class MasterIndex:
+    """State of one master across polls. Poll: begin → feed* → located* → commit | abort."""
+
+    def __init__(self, locate: bool = True, ns_memory: float = 60.0) -> None:
+        self.locate = locate
+        self.ns_memory = ns_memory
+        self.keys: dict[int, int] = {}
+        self.required_ns: set[int] = set()
+        self._ns_seen: dict[int, float] = {}
+        self._prefix_ns: dict[bytes, int] = {}
+        self._ns_ids: dict[Namespace, int] = {}
+        self._head_of: list[int] = []
+        self._head_ids: dict[str, int] = {}
+        self._locs: list[Replicas] = [("?",), ()]
+        self._loc_ids: dict[Replicas, int] = {(): 1}
+        self._loc_ips: list[tuple[str, ...]] = [(), ()]
+        self._loc_ok: list[bool] = [False, True]
+        self._cur: dict[int, int] = {}
+        self._cur_ns: set[int] = set()
+        self.unresolved = False
+        self.stats = PollStats()
+
+    # -- one poll ------------------------------------------------------------------
+
+    def begin(self, segmap: SegmentMap) -> None:
+        self.remap(segmap)
+        self._cur, self._cur_ns, self.stats = {}, set(), PollStats()
+
+    def remap(self, segmap: SegmentMap) -> None:
+        """Resolve every known location against a (new) segment listing."""
+        self._segmap = segmap
+        self.unresolved = False
+        resolved = [self._resolve(loc) for loc in self._locs]
+        self._loc_ips = [ips for ips, _ in resolved]
+        self._loc_ok = [ok for _, ok in resolved]
+        self._loc_ok[UNLOCATED] = False
+
+    def feed(self, line: bytes) -> int:
+        """Account one ``/get_all_keys`` line; returns the key's id when it must be located
+        (pass it to :meth:`located`), else -1."""
+        stats = self.stats
+        stats.seen += 1
+        split = split_key(line)
+        ns = -1
+        if split is not None:
+            cached = self._prefix_ns.get(split[0])
+            ns = self._intern_prefix(split[0]) if cached is None else cached
+        if split is None or ns < 0:
+            stats.skipped["unparsed"] += 1
+            return -1
+        stats.parsed += 1
+        ck = (ns << 64) | split[1]
+        self._cur_ns.add(ns)
+        loc = self.keys.get(ck, UNLOCATED)
+        self._cur[ck] = loc
+        if not self.locate or self._loc_ok[loc]:
+            return -1
+        if not is_url_safe(line):
+            stats.skipped["unquotable"] += 1
+            return -1
+        stats.to_locate += 1
+        return ck
+
+    def located(self, ck: int, replicas: Replicas | None) -> None:
+        """Record a key's replicas; ``None`` = the key vanished since it was listed."""
+        if replicas is None:
+            self._cur.pop(ck, None)
+            return
+        loc = self._loc_ids.get(replicas)
+        if loc is None:
+            loc = self._loc_ids[replicas] = len(self._locs)
+            self._locs.append(replicas)
+            ips, ok = self._resolve(replicas)
+            self._loc_ips.append(ips)
+            self._loc_ok.append(ok)
+        self.unresolved |= not self._loc_ok[loc]
+        self._cur[ck] = loc
+
+    def commit(self, now: float | None = None) -> PollStats:
+        now = time.monotonic() if now is None else now
+        self._ns_seen.update(dict.fromkeys(self._cur_ns, now))
+        for ns in [ns for ns, seen in self._ns_seen.items() if now - seen > self.ns_memory]:
+            del self._ns_seen[ns]
+        self.required_ns = set(self._ns_seen)
+        self.keys = self._cur
+        self._cur, self._cur_ns = {}, set()
+        if len(self._locs) > 1024:
+            self._compact()
+        return self.stats
+
+    def abort(self) -> None:
+        self._cur, self._cur_ns = {}, set()
+
+    # -- results -------------------------------------------------------------------
+
+    def blocks(self, scope: str) -> Blocks:
+        """Complete blocks of the last committed poll, per instance IP or for the pool."""
+        single, complete, n = self._completeness()
+        head_of = self._head_of
+        if scope == "pool":
+            pool = {ck & U64_MASK for ck in self.keys
+                    if head_of[ck >> 64] in single or _hk(head_of, ck) in complete}
+            return Blocks({}, pool, n)
+        per_ip: dict[str, set[int]] = {}
+        loc_ips = self._loc_ips
+        for ck, loc in self.keys.items():
+            ips = loc_ips[loc]
+            if not ips or not (head_of[ck >> 64] in single or _hk(head_of, ck) in complete):
+                continue
+            for ip in ips:
+                per_ip.setdefault(ip, set()).add(ck & U64_MASK)
+        return Blocks(per_ip, None, n)
+
+    def _completeness(self) -> tuple[set[int], dict[int, int], int]:
+        """(heads with one namespace — all their keys are complete blocks, the complete
+        ``head << 64 | hash`` ids of the other heads, number of complete blocks)."""
+        need = Counter(self._head_of[ns] for ns in self.required_ns)
+        single = {head for head, n in need.items() if n == 1}
+        head_of = self._head_of
+        counts: dict[int, int] = {}
+        n_single = 0
+        for ck in self.keys:
+            if head_of[ck >> 64] in single:
+                n_single += 1
+                continue
+            hk = _hk(head_of, ck)
+            counts[hk] = counts.get(hk, 0) + 1
+        for hk in [hk for hk, n in counts.items() if n != need[hk >> 64]]:
+            del counts[hk]
+        return single, counts, n_single + len(counts)
+
+    # -- interning -----------------------------------------------------------------
+
+    def _intern_prefix(self, prefix: bytes) -> int:
+        parsed = parse_prefix(prefix.decode("utf-8", "replace"))
+        ns = -1
+        if parsed is not None:
+            ns = self._ns_ids.get(parsed, -1)
+            if ns < 0:
+                ns = self._ns_ids[parsed] = len(self._head_of)
+                self._head_of.append(self._head_ids.setdefault(parsed.head, len(self._head_ids)))
+        if len(self._prefix_ns) < _PREFIX_CACHE_MAX:
+            self._prefix_ns[prefix] = ns
+        return ns
+
+    def _resolve(self, replicas: Replicas) -> tuple[tuple[str, ...], bool]:
+        ips = [self._segmap.ip_of(ep) for ep in replicas]
+        found = tuple(dict.fromkeys(ip for ip in ips if ip is not None))
+        return found, None not in ips
+
+    def _compact(self) -> None:
+        used = sorted(set(self.keys.values()) | {UNLOCATED, 1})
+        if len(used) * 2 > len(self._locs):
+            return
+        new_id = {old: new for new, old in enumerate(used)}
+        self._locs = [self._locs[i] for i in used]
+        self._loc_ips = [self._loc_ips[i] for i in used]
+        self._loc_ok = [self._loc_ok[i] for i in used]
+        self._loc_ids = {loc: i for i, loc in enumerate(self._locs) if i != UNLOCATED}
+        for ck, loc in self.keys.items():
+            self.keys[ck] = new_id[loc]
+
+
+def _hk(head_of: list[int], ck: int) -> int:
+    return (head_of[ck >> 64] << 64) | (ck & U64_MASK)

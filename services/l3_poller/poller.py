@@ -1,0 +1,223 @@
+"""The L3 poll loops: one thread per Mooncake master, and a supervisor that follows the
+master registry (``Store.list_masters``) and starts or stops those threads.
+
+One poll of a master: list its segments (``discovery.segmentsFetchTimeout``), stream
+``/get_all_keys`` into its :class:`MasterIndex`, locate only the keys the index does not
+know yet (or whose segment went away) with ``/batch_query_keys`` in runs of
+``ingest.l3.batchSize`` (``/query_key`` one by one on masters without it), then publish the
+result to the :class:`L3Writer`. Scope ``pool`` needs no locations, so it queries nothing.
+
+A failed poll (master down, slow, 503, garbage, cut body) changes nothing: the last good
+state stays in Redis while the thread retries with capped, jittered backoff. Once
+``ingest.l3.staleAfter`` has passed since the last good poll, the master's contribution is
+dropped and its instances are flagged ``stale=1``; the next good poll restores them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from common.config import IngestL3
+from common.lifecycle import Backoff, StateLog
+from common.store import Store
+from services.l3_poller.client import MAX_URL_BYTES, MasterClient, MasterError, NoBatchEndpoint
+from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
+from services.l3_poller.metrics import PollerMetrics
+from services.l3_poller.writer import L3Writer, MasterView
+
+logger = logging.getLogger(__name__)
+
+ClientFactory = Callable[[str], MasterClient]
+
+
+@dataclass
+class _Pending:
+    """Keys to locate, kept as joined batches (≈ key bytes + 8 per key), not one str each."""
+
+    size: int
+    batches: list[tuple[bytes, list[int]]]
+    _keys: list[bytes]
+    _ids: list[int]
+    _bytes: int = 0
+
+    def add(self, key: bytes, key_id: int) -> None:
+        if self._keys and (len(self._keys) >= self.size
+                           or self._bytes + len(key) + 1 > MAX_URL_BYTES):
+            self.flush()
+        self._keys.append(key)
+        self._ids.append(key_id)
+        self._bytes += len(key) + 1
+
+    def flush(self) -> None:
+        if self._keys:
+            self.batches.append((b",".join(self._keys), self._ids))
+            self._keys, self._ids, self._bytes = [], [], 0
+
+
+class MasterPoller:
+    """Polls one master until ``stop`` is set; publishes every good poll to the writer."""
+
+    def __init__(self, url: str, cfg: IngestL3, client: MasterClient, writer: L3Writer,
+                 metrics: PollerMetrics, stop: threading.Event) -> None:
+        self.url, self.cfg, self.client, self.writer = url, cfg, client, writer
+        self.metrics, self.stop = metrics, stop
+        self.index = MasterIndex(locate=cfg.scope == "segment", ns_memory=cfg.stale_after)
+        self.has_batch = True
+        self.view: MasterView | None = None
+        self._log = StateLog(logger, f"master {url}")
+
+    def run(self) -> None:
+        interval, stale_after = self.cfg.poll_interval, self.cfg.stale_after
+        backoff = Backoff(interval, 4 * interval)
+        last_ok, dropped = time.monotonic(), False
+        while not self.stop.is_set():
+            started = time.monotonic()
+            if not self._poll_safely():
+                delay = backoff.next_delay()
+                left = last_ok + stale_after - time.monotonic()
+                if not dropped and left <= 0:
+                    self._drop()
+                    dropped = True
+                elif not dropped:
+                    delay = min(delay, left)
+            else:
+                last_ok, dropped = time.monotonic(), False
+                backoff.reset()
+                delay = interval - (last_ok - started)
+            self.stop.wait(max(delay, 0.0))
+        self.client.close()
+
+    def _poll_safely(self) -> bool:
+        try:
+            view = self.poll_once()
+        except MasterError as exc:
+            self.metrics.errors.inc(master=self.url, reason=exc.reason)
+            self._log.set(f"failing ({exc.reason})", str(exc), logging.WARNING)
+            return False
+        except Exception as exc:
+            logger.exception("master %s: poll failed", self.url)
+            self.metrics.errors.inc(master=self.url, reason=type(exc).__name__)
+            return False
+        self.view = view
+        self._log.set("polling", f"{view.blocks.complete} blocks")
+        self.metrics.master_stale.set(0, master=self.url)
+        self.writer.publish(self.url, view)
+        return True
+
+    def _drop(self) -> None:
+        view = self.view or MasterView(Blocks({}, set(), 0), frozenset(), 0)
+        self.view = view.dropped()
+        self._log.set("stale: state dropped", f"after {self.cfg.stale_after:g}s", logging.ERROR)
+        self.metrics.master_stale.set(1, master=self.url)
+        self.writer.publish(self.url, self.view)
+
+    def poll_once(self) -> MasterView:
+        """One poll; raises :class:`MasterError` and leaves the index unchanged on failure."""
+        started = time.monotonic()
+        segmap = self._segments()
+        self.index.begin(segmap)
+        try:
+            pending = _Pending(self.cfg.batch_size, [], [], [])
+            deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
+            for line in self.client.iter_keys(deadline):
+                key_id = self.index.feed(line)
+                if key_id >= 0:
+                    pending.add(line, key_id)
+            pending.flush()
+            self._locate(pending.batches)
+            if self.index.unresolved:  # a segment mounted after we listed them
+                self.index.remap(self._segments())
+            stats = self.index.commit()
+        except BaseException:
+            self.index.abort()
+            raise
+        blocks = self.index.blocks(self.cfg.scope)
+        m, url = self.metrics, self.url
+        m.keys_seen.inc(stats.seen, master=url)
+        m.keys_parsed.inc(stats.parsed, master=url)
+        for reason, n in stats.skipped.items():
+            m.keys_skipped.inc(n, master=url, reason=reason)
+        m.master_keys.set(len(self.index.keys), master=url)
+        m.master_blocks.set(blocks.complete, master=url)
+        m.poll_seconds.observe(time.monotonic() - started, master=url)
+        return MasterView(blocks, frozenset(segmap.attached), int(time.time() * 1000))
+
+    def _segments(self) -> SegmentMap:
+        return SegmentMap(self.client.segments(), self.client.segments_detail())
+
+    def _locate(self, batches: list[tuple[bytes, list[int]]]) -> None:
+        for blob, ids in batches:
+            keys = blob.split(b",")
+            found: dict[str, tuple[str, ...] | None] | None = None
+            if self.has_batch:
+                try:
+                    found = self.client.batch_query(keys)
+                    self.metrics.locate_calls.inc(master=self.url, endpoint="batch_query_keys")
+                except NoBatchEndpoint:
+                    logger.info("master %s has no /batch_query_keys: using /query_key", self.url)
+                    self.has_batch = False
+            if found is None:
+                found = {k.decode(): self.client.query_key(k) for k in keys}
+                self.metrics.locate_calls.inc(len(keys), master=self.url, endpoint="query_key")
+            self.metrics.keys_located.inc(len(keys), master=self.url)
+            for key, key_id in zip(keys, ids):
+                text = key.decode()
+                if text in found:
+                    self.index.located(key_id, found[text])
+
+
+class L3Poller:
+    """Follows the master registry; one :class:`MasterPoller` thread per master URL."""
+
+    def __init__(self, cfg: IngestL3, segments_timeout: float, store: Store,
+                 metrics: PollerMetrics, client_factory: ClientFactory | None = None) -> None:
+        self.cfg, self.store, self.metrics = cfg, store, metrics
+        self.writer = L3Writer(store, cfg.scope, metrics)
+        self._factory = client_factory or (
+            lambda url: MasterClient(url, cfg.http_timeout, segments_timeout))
+        self.pollers: dict[str, tuple[MasterPoller, threading.Thread]] = {}
+        self._log = StateLog(logger, "master registry")
+
+    def run(self, stop: threading.Event) -> None:
+        """Re-read the registry every ``pollInterval`` until ``stop``; then stop all threads."""
+        try:
+            while not stop.is_set():
+                self.reconcile()
+                stop.wait(min(self.cfg.poll_interval, 5.0))
+        finally:
+            for url in list(self.pollers):
+                self._stop_master(url, publish=False)
+
+    def reconcile(self) -> None:
+        try:
+            masters = {self._url(u) for u in self.store.list_masters()}
+        except redis.RedisError as exc:
+            self._log.set("unreadable", repr(exc), logging.WARNING)
+            return
+        self._log.set("read", f"{len(masters)} masters")
+        for url in sorted(masters - self.pollers.keys()):
+            poller = MasterPoller(url, self.cfg, self._factory(url), self.writer, self.metrics,
+                                  threading.Event())
+            thread = threading.Thread(target=poller.run, name=f"l3 {url}", daemon=True)
+            self.pollers[url] = (poller, thread)
+            thread.start()
+            logger.info("polling master %s every %gs", url, self.cfg.poll_interval)
+        for url in sorted(self.pollers.keys() - masters):
+            logger.info("master %s left the registry", url)
+            self._stop_master(url, publish=True)
+
+    def _url(self, url: str) -> str:
+        return url if "://" in url else f"{self.cfg.scheme}://{url}"
+
+    def _stop_master(self, url: str, publish: bool) -> None:
+        poller, thread = self.pollers.pop(url)
+        poller.stop.set()
+        thread.join(timeout=self.cfg.http_timeout * 2 + 1)
+        if publish:
+            self.writer.publish(url, None)

@@ -1,0 +1,134 @@
+"""A simulated vLLM instance: per DP rank a prefix-cache model and a wire-exact publisher.
+
+:class:`SimulatedVLLM` is what tests, the local stack and the benchmarks drive: serve
+requests (one engine step per rank → at most one batch per rank), drop batches from the live
+stream (they stay in the replay buffer, like a PUB high-water-mark drop), reset the prefix
+cache, or restart (sequence back to 0, empty cache, sockets re-created). Its true cache
+contents are available in-process (:meth:`true_prefix_len`, :meth:`state`) and as JSON
+(:meth:`write_state`) for checking an indexer's answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from common.blockhash import BlockHasher, HashSettings, parse_vllm_version
+from common.events import Event
+from services.simulator.cache_model import PrefixCacheModel, Request
+from services.simulator.publisher import Publisher
+
+
+class SimulatedVLLM:
+    """One vLLM instance with ``ranks`` DP ranks (all of them, or just ``--dp-rank``)."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "", *,
+                 vllm_version: str = "0.28.0", block_size: int = 16, num_blocks: int = 1024,
+                 ranks: Sequence[int] = (0,), buffer_steps: int = 10_000, cpu_blocks: int = 0,
+                 hash_algo: str = "sha256_cbor", hash_seed: str | None = "0",
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
+        self.version = parse_vllm_version(vllm_version)
+        self.hasher = BlockHasher(HashSettings.from_strings(hash_algo, hash_seed, vllm_version))
+        self.block_size, self.num_blocks, self.cpu_blocks = block_size, num_blocks, cpu_blocks
+        self.ranks, self.buffer_steps = list(ranks), buffer_steps
+        self.ctx = ctx or zmq.Context.instance()
+        self.models: dict[int, PrefixCacheModel] = {}
+        self.publishers: dict[int, Publisher] = {}
+        self.served: dict[Request, None] = {}
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        for rank in self.ranks:
+            self.models[rank] = PrefixCacheModel(self.num_blocks, self.block_size, self.hasher,
+                                                 self.cpu_blocks)
+            self.publishers[rank] = Publisher(
+                self.endpoint, self.replay_endpoint, self.topic, dp_rank=rank,
+                vllm_version=self.version, buffer_steps=self.buffer_steps, ctx=self.ctx)
+
+    # -- driving -------------------------------------------------------------------------
+
+    def serve(self, requests: Iterable[Request], *, rank: int | None = None,
+              drop: bool = False) -> dict[int, int]:
+        """One engine step: requests go to ``rank`` or round-robin; returns rank → seq sent."""
+        by_rank: dict[int, list[Request]] = {r: [] for r in self.ranks}
+        for i, request in enumerate(requests):
+            by_rank[self.ranks[i % len(self.ranks)] if rank is None else rank].append(request)
+            self.served[request] = None
+        sent: dict[int, int] = {}
+        for r, batch in by_rank.items():
+            if batch:
+                events = self.models[r].step(batch)
+                if events:
+                    sent[r] = self.publishers[r].publish(events, drop=drop)
+        return sent
+
+    def emit(self, events: Sequence[Event], *, rank: int = 0, drop: bool = False) -> int:
+        """Publish hand-made events (tests of odd media, groups, placeholders)."""
+        return self.publishers[rank].publish(events, drop=drop)
+
+    def reset_prefix_cache(self, rank: int | None = None) -> None:
+        for r in self.ranks if rank is None else [rank]:
+            self.publishers[r].publish(self.models[r].reset())
+
+    def restart(self) -> None:
+        """vLLM restarts: the publisher's sockets close, sequences restart at 0, cache empty."""
+        self.close()
+        self.restarts += 1
+        self._start()
+
+    def flush(self) -> None:
+        for pub in self.publishers.values():
+            pub.flush()
+
+    def close(self) -> None:
+        for pub in self.publishers.values():
+            pub.close()
+        self.publishers = {}
+
+    # -- truth ---------------------------------------------------------------------------
+
+    def last_seq(self, rank: int = 0) -> int:
+        return self.publishers[rank].last_seq
+
+    def true_prefix_len(self, request: Request) -> int:
+        """Leading blocks of ``request`` cached on GPU on any rank (what L1 must answer)."""
+        hashes = self.models[self.ranks[0]].hashes(request)
+        for i, h in enumerate(hashes):
+            if not any(h in m.cached for m in self.models.values()):
+                return i
+        return len(hashes)
+
+    def member_keys(self, request: Request) -> list[bytes]:
+        return self.hasher.member_keys(list(request.token_ids), self.block_size,
+                                       request.cache_salt)
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able truth: per rank the last sequence, GPU hash → copies, CPU hashes."""
+        return {
+            "block_size": self.block_size,
+            "restarts": self.restarts,
+            "updated": time.time(),
+            "ranks": {
+                str(r): {
+                    "last_seq": self.publishers[r].last_seq if r in self.publishers else -1,
+                    "gpu": {str(h): n for h, n in self.models[r].gpu_counts().items()},
+                    "cpu": sorted(str(h) for h in self.models[r].cpu_hashes()),
+                    "rejected": self.models[r].rejected,
+                } for r in self.ranks
+            },
+        }
+
+    def write_state(self, path: str | os.PathLike[str]) -> None:
+        """Atomically replace ``path`` with :meth:`state` as JSON."""
+        target = Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(self.state()), encoding="utf-8")
+        tmp.replace(target)

@@ -1,0 +1,105 @@
+"""``cache-indexer simulate-vllm``: a vLLM KV-event publisher driven by a prefix-cache model.
+
+    cache-indexer simulate-vllm --endpoint tcp://*:5557 --replay-endpoint tcp://*:5558 \\
+        --topic kv-events --vllm-version 0.28.0 --rate 50 --duration 60 --state-file sim.json
+
+Each step serves ``--requests-per-step`` prompts from the workload on every DP rank and
+publishes that step's events as one batch. ``--drop-every K`` leaves every K-th batch out of
+the live stream (replay still has it), ``--restart-after N`` restarts the simulated vLLM once
+after N steps, ``--reset-every N`` emits AllBlocksCleared. ``--state-file`` receives the true
+cache contents as JSON every second and at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+
+from common import logs
+from common.lifecycle import install_signal_handlers
+from services.simulator.engine import SimulatedVLLM
+from services.simulator.workload import KINDS, Workload
+
+logger = logging.getLogger(__name__)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cache-indexer simulate-vllm",
+                                description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--endpoint", default="tcp://*:5557", help="PUB endpoint (vLLM's bind/connect rule)")
+    a("--replay-endpoint", default="", help="replay ROUTER endpoint (always binds); '' = none")
+    a("--topic", default="", help="topic frame (deployments use kv-events)")
+    a("--vllm-version", default="0.28.0", help="emulated release: encoding and framing")
+    a("--block-size", type=int, default=16)
+    a("--num-blocks", type=int, default=1024, help="GPU blocks per rank")
+    a("--cpu-blocks", type=int, default=0, help="CPU offload blocks per rank (0 = off)")
+    a("--dp-rank", type=int, default=None, help="run only this DP rank")
+    a("--dp-size", type=int, default=1, help="DP ranks to run when --dp-rank is not given")
+    a("--buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    a("--rate", type=float, default=20.0, help="engine steps per second")
+    a("--requests-per-step", type=int, default=2)
+    a("--seed", type=int, default=0)
+    a("--workload", choices=KINDS, default="mixed")
+    a("--prompts", type=int, default=32, help="size of the shared-prompt pool")
+    a("--prompt-len", type=int, default=128, help="maximum prompt length in tokens")
+    a("--hash-seed", default="0", help="PYTHONHASHSEED of the simulated engine")
+    a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
+    a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
+    a("--restart-after", type=int, default=0, help="restart once after N steps")
+    a("--reset-every", type=int, default=0, help="reset the prefix cache every N steps")
+    a("--state-file", default="", help="write the true cache state here (JSON)")
+    a("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    logs.configure(args.log_level)
+    ranks = [args.dp_rank] if args.dp_rank is not None else list(range(args.dp_size))
+    sim = SimulatedVLLM(
+        args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
+        block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
+        buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed)
+    workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
+                        block_size=args.block_size, seed=args.seed)
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    logger.info("simulating vLLM %s on %s (ranks %s, replay %s)", args.vllm_version,
+                args.endpoint, ranks, args.replay_endpoint or "none")
+    try:
+        _run(args, sim, workload, stop)
+    finally:
+        sim.flush()
+        if args.state_file:
+            sim.write_state(args.state_file)
+        sim.close()
+    return 0
+
+
+def _run(args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload,
+         stop: threading.Event) -> None:
+    period = 1.0 / args.rate if args.rate > 0 else 0.0
+    start = next_step = last_dump = time.monotonic()
+    step = 0
+    while not stop.is_set():
+        now = time.monotonic()
+        if args.duration and now - start >= args.duration:
+            return
+        step += 1
+        if args.restart_after and step == args.restart_after + 1:
+            logger.info("restarting (step %d)", step)
+            sim.restart()
+        if args.reset_every and step % args.reset_every == 0:
+            sim.reset_prefix_cache()
+        drop = bool(args.drop_every) and step % args.drop_every == 0
+        sim.serve([workload.next() for _ in range(args.requests_per_step * len(sim.ranks))],
+                  drop=drop)
+        if args.state_file and now - last_dump >= 1.0:
+            sim.flush()
+            sim.write_state(args.state_file)
+            last_dump = now
+        next_step += period
+        stop.wait(max(0.0, next_step - time.monotonic()))

@@ -1,0 +1,256 @@
+"""``cache-indexer local-stack``: the whole system on one machine, on embedded defaults.
+
+Starts, in ``.local-stack/`` (logs, config, sockets): its own redis-server (loopback port
+and a unix socket), two simulated vLLM pods (``simulate-vllm``; pod IPs 127.0.0.2 and
+127.0.0.3, KV events over ipc:// sockets, 0.28.0 map and 0.23.0 array encodings), the
+discovery worker (static mode), an L1 ingester, the API on ``127.0.0.1:28080`` and — in a
+private network namespace, because Mooncake store clients listen on every interface — a
+real ``mooncake_master``, one store client per pod putting blocks in vLLM's key format, and
+the L3 poller (which reaches Redis through the unix socket). Without root/``unshare`` or
+without the Mooncake wheel the L3 side is left out with a warning and L3 ratios stay 0.
+
+When everything answers it writes ``.local-stack/example-request.json`` (a prompt pod A
+serves) and prints the API's answer for it. Ctrl-C (or ``--duration``) stops every process
+it started, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from common import logs
+from common.blockhash import BlockHasher, HashSettings
+from common.lifecycle import install_signal_handlers
+from services.simulator.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+MODEL = "Qwen2.5-0.5B-Instruct"
+BLOCK_SIZE = 16
+PODS = [  # name, ip, emulated vLLM version, workload seed
+    ("pod-a", "127.0.0.2", "0.28.0", 1),
+    ("pod-b", "127.0.0.3", "0.23.0", 2),
+]
+WORKLOAD = {"prompts": 16, "prompt_len": 256}
+
+
+class Processes:
+    """Children started by this stack; stopped in reverse order, by PID, on exit."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              stdout: int | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=stdout or log, stderr=log, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append((name, proc))
+        logger.info("started %s (pid %d): logs in %s", name, proc.pid, log.name)
+        return proc
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs if p.poll() is not None]
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %d) did not stop: killing it", name, proc.pid)
+                proc.kill()
+                proc.wait()
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def _write_config(workdir: Path, redis_port: int, api_port: int, master_port: int,
+                  with_l3: bool) -> Path:
+    cfg: dict[str, Any] = {
+        "http": {"addr": f"127.0.0.1:{api_port}", "workers": 2},
+        "log": {"level": "info"},
+        "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+        "discovery": {"mode": "static", "static": {
+            "vllm": [{"ip": ip, "name": name, "zmqEndpoint": f"ipc://{workdir}/{name}.pub",
+                      "replayEndpoint": f"ipc://{workdir}/{name}.replay"}
+                     for name, ip, _, _ in PODS],
+            "mooncakeMasters": [{"url": f"http://127.0.0.1:{master_port}"}] if with_l3 else [],
+        }},
+        "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "200ms", "backoffMax": "5s"},
+                   "l3": {"pollInterval": "2s", "httpTimeout": "2s"}},
+    }
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _example(workdir: Path) -> tuple[list[int], dict[str, list[str]]]:
+    """Pod A's first pooled prompt, and the block digests each pod puts into Mooncake.
+
+    Pod A puts its other pooled prompts; pod B puts the first 3/4 of the example prompt,
+    so the example answers L1 ≈ 1.0 / L3 0.0 for pod A and L1 0.0 / L3 0.75 for pod B.
+    """
+    hasher = BlockHasher(HashSettings())
+    pools = {name: Workload("mixed", block_size=BLOCK_SIZE, seed=seed, **WORKLOAD).pool
+             for name, _, _, seed in PODS}
+    example = list(pools["pod-a"][0].token_ids)
+    digests = hasher.digests(example, BLOCK_SIZE)
+    others = {d for r in pools["pod-a"][1:6] for d in hasher.digests(list(r.token_ids), BLOCK_SIZE)}
+    # A key is stored once, by whoever puts it first: keep pod A off the example's blocks.
+    puts = {"pod-a": sorted(d.hex() for d in others - set(digests)),
+            "pod-b": [d.hex() for d in digests[: max(1, len(digests) * 3 // 4)]]}
+    return example, puts
+
+
+def _start_l3_side(procs: Processes, workdir: Path, config: Path, master_port: int,
+                   puts: dict[str, list[str]]) -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("mooncake_master"):
+        logger.warning("L3 side left out: needs root, unshare and the Mooncake wheel "
+                       "(scripts/setup.sh installs it); L3 ratios will be 0")
+        return False
+    for name, _, _, _ in PODS:
+        (workdir / f"{name}.blocks.json").write_text(
+            json.dumps({"model": MODEL, "tp": 1, "hashes": puts[name]}), encoding="utf-8")
+    inner = _cli("local-stack", "--l3-side", "--workdir", str(workdir),
+                 "--master-port", str(master_port))
+    script = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in inner)
+    env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config),
+               CACHE_INDEXER_REDIS_URL=f"unix://{workdir}/redis.sock?db=0")
+    procs.spawn("l3-netns", ["unshare", "-n", "sh", "-c", script], env=env)
+    return True
+
+
+def _run_l3_side(workdir: Path, master_port: int, stop: threading.Event) -> int:
+    """Inside the private netns: master, one store client per pod, the L3 poller."""
+    procs = Processes(workdir)
+    rpc = f"127.0.0.1:{master_port + 1}"
+    try:
+        procs.spawn("mooncake-master", [
+            shutil.which("mooncake_master") or "mooncake_master", "--rpc_address=127.0.0.1",
+            f"--rpc_port={master_port + 1}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={master_port}", "--enable_metric_reporting=false",
+            "--logtostderr"])
+        _wait_http(f"http://127.0.0.1:{master_port}/health", 30, stop)
+        for name, ip, _, _ in PODS:
+            procs.spawn(f"mooncake-{name}", [
+                sys.executable, "-m", "services.tools.mooncake_pods", "--ip", ip,
+                "--master", rpc, "--blocks", str(workdir / f"{name}.blocks.json")])
+        procs.spawn("l3-poll", _cli("l3-poll"))
+        while not stop.wait(1.0):
+            if procs.dead():
+                logger.error("stopped unexpectedly: %s", ", ".join(procs.dead()))
+                return 1
+        return 0
+    finally:
+        procs.stop_all()
+
+
+def _wait_http(url: str, timeout: float, stop: threading.Event) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        try:
+            resp = httpx.get(url, timeout=1.0)
+            if resp.status_code == 200:
+                return resp
+        except httpx.HTTPError:
+            pass
+        stop.wait(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout:.0f}s")
+
+
+def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[Path, list[int]]:
+    redis_port, master_port = args.redis_port, args.master_port
+    example, puts = _example(workdir)
+    procs.spawn("redis", [shutil.which("redis-server") or "redis-server", "--port",
+                          str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                          "no", "--unixsocket", str(workdir / "redis.sock"),
+                          "--unixsocketperm", "700", "--dir", str(workdir)])
+    config = _write_config(workdir, redis_port, args.port, master_port, True)
+    env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config))
+    for name, _, version, seed in PODS:
+        procs.spawn(name, _cli(
+            "simulate-vllm", "--endpoint", f"ipc://{workdir}/{name}.pub",
+            "--replay-endpoint", f"ipc://{workdir}/{name}.replay", "--topic", "kv-events",
+            "--vllm-version", version, "--block-size", str(BLOCK_SIZE), "--num-blocks", "8192",
+            "--rate", "2", "--seed", str(seed), "--prompts", str(WORKLOAD["prompts"]),
+            "--prompt-len", str(WORKLOAD["prompt_len"]),
+            "--state-file", str(workdir / f"{name}.state.json")), env=env)
+    procs.spawn("discovery", _cli("discovery"), env=env)
+    procs.spawn("l1-ingest", _cli("l1-ingest"), env=env)
+    procs.spawn("api", _cli("api"), env=env)
+    if not _start_l3_side(procs, workdir, config, master_port, puts):
+        _write_config(workdir, redis_port, args.port, master_port, False)
+    return config, example
+
+
+def _show_example(port: int, example: list[int], workdir: Path, stop: threading.Event) -> Any:
+    request = {"server_ip": [ip for _, ip, _, _ in PODS],
+               "body": {"token_ids": example, "cache_salt": "", "block_size": BLOCK_SIZE}}
+    path = workdir / "example-request.json"
+    path.write_text(json.dumps(request), encoding="utf-8")
+    _wait_http(f"http://127.0.0.1:{port}/readyz", 60, stop)
+    url = f"http://127.0.0.1:{port}/kv-cache/hit-rate"
+    answer: Any = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not stop.is_set():  # until L1 and L3 are filled
+        answer = httpx.post(url, json=request, timeout=5).json()
+        scores = answer.get("server_score_list", [])
+        if scores and scores[0]["l1_hit_ratio"] > 0 and (len(scores) < 2 or scores[1]["l3_hit_ratio"] > 0):
+            break
+        stop.wait(0.5)
+    print(f"\nexample request: {path}\n  curl -s -X POST {url} -H 'Content-Type: "
+          f"application/json' -d @{path}\nanswer: {json.dumps(answer)}\n", flush=True)
+    return answer
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="cache-indexer local-stack", description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", default=".local-stack")
+    p.add_argument("--port", type=int, default=28080, help="API port on 127.0.0.1")
+    p.add_argument("--redis-port", type=int, default=26379)
+    p.add_argument("--master-port", type=int, default=29003, help="Mooncake admin port (+1: RPC)")
+    p.add_argument("--duration", type=float, default=0, help="stop after N seconds (0 = Ctrl-C)")
+    p.add_argument("--l3-side", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    logs.configure("info")
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    if args.l3_side:
+        return _run_l3_side(workdir, args.master_port, stop)
+    procs = Processes(workdir)
+    try:
+        _, example = _start(procs, args, workdir)
+        _show_example(args.port, example, workdir, stop)
+        started = time.monotonic()
+        while not stop.wait(1.0):
+            if procs.dead():
+                logger.error("stopped unexpectedly: %s (see %s)", ", ".join(procs.dead()), workdir)
+                return 1
+            if args.duration and time.monotonic() - started >= args.duration:
+                break
+        return 0
+    finally:
+        procs.stop_all()

@@ -1,0 +1,159 @@
+"""Helpers for the L1 ingester integration tests: in-process and subprocess ingesters,
+simulated instances on free loopback ports, and exactness checks against the simulator."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+import zmq
+
+from common.config import IngestL1, parse_duration
+from common.store import Instance, Store
+from services.l1_ingest.metrics import IngestMetrics
+from services.l1_ingest.sharding import StaticAssigner, run_assignment
+from services.l1_ingest.subscriber import Subscriber
+from services.simulator.engine import SimulatedVLLM
+from tests.conftest import ROOT, wait_for
+
+FAST = {
+    "backoffInitial": "20ms", "backoffMax": "200ms", "topic": "kv-events",
+    "leaseTTL": "1s", "heartbeatInterval": "200ms", "replayTimeout": "1s",
+}
+
+
+def free_ports(n: int = 1) -> int:
+    """A base port such that base .. base+n-1 are free on 127.0.0.1 right now."""
+    for _ in range(50):
+        socks = []
+        try:
+            first = socket.socket()
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            socks.append(first)
+            for k in range(1, n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + k))
+            return int(base)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def l1_config(**overrides: str) -> IngestL1:
+    raw = {**FAST, **overrides}
+    return IngestL1(
+        backoff_initial=parse_duration(raw["backoffInitial"]),
+        backoff_max=parse_duration(raw["backoffMax"]), topic=raw["topic"],
+        on_unrecoverable_gap=raw.get("onUnrecoverableGap", "keep"),
+        lease_ttl=parse_duration(raw["leaseTTL"]),
+        heartbeat_interval=parse_duration(raw["heartbeatInterval"]),
+        replay_timeout=parse_duration(raw["replayTimeout"]))
+
+
+class InProcessIngester:
+    """Subscriber + static assignment loop in threads of the test process."""
+
+    def __init__(self, client: redis.Redis, **overrides: str) -> None:
+        self.store = Store(client)
+        self.metrics = IngestMetrics()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.subscriber = Subscriber(self.store, l1_config(**overrides), self.metrics,
+                                     ctx=self.ctx)
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self.subscriber.run, args=(self.stop,), daemon=True),
+            threading.Thread(target=self._assign, daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _assign(self) -> None:
+        from common.lifecycle import Backoff
+        run_assignment(self.stop, self.store, StaticAssigner(0, 1),
+                       self.subscriber.set_instances, interval=0.05, backoff=Backoff(0.05, 0.2))
+
+    def count(self, metric: str, **labels: str) -> float:
+        return float(getattr(self.metrics, metric).value(**labels))
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+        self.ctx.term()
+
+
+def write_config(path: Path, redis_url: str, **overrides: str) -> Path:
+    doc: dict[str, Any] = {"redis": {"url": redis_url}, "ingest": {"l1": {**FAST, **overrides}},
+                           "log": {"level": "info"}}
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+def spawn_ingester(config: Path, env: dict[str, str], *args: str,
+                   log: Path | None = None) -> subprocess.Popen[bytes]:
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config), *args],
+        cwd=ROOT, env=env, stdout=out, stderr=out)
+
+
+def register(store: Store, ip: str, sim: SimulatedVLLM, uid: str = "uid-1",
+             restarts: str = "0") -> int:
+    """Register ``sim`` under ``ip`` with its connect-side endpoints; returns the gen."""
+    def connectable(endpoint: str) -> str:
+        return endpoint.replace("*", "127.0.0.1")
+    _, gen = store.upsert_instance(Instance(
+        ip=ip, uid=uid, pod=f"vllm-{ip}", zmq_endpoint=connectable(sim.endpoint),
+        replay_endpoint=connectable(sim.replay_endpoint), dp_size=len(sim.ranks),
+        restarts=restarts))
+    return gen
+
+
+def true_counts(sim: SimulatedVLLM) -> Counter[int]:
+    total: Counter[int] = Counter()
+    for model in sim.models.values():
+        total.update(model.gpu_counts())
+    return total
+
+
+def wait_quiet(store: Store, ip: str, sim: SimulatedVLLM, timeout: float = 10.0) -> None:
+    """Wait until every rank's last applied sequence is the simulator's last sequence."""
+    sim.flush()
+    wait_for(lambda: all(store.last_seq(ip, r) == sim.last_seq(r) for r in sim.ranks),
+             timeout=timeout, what=f"{ip} to catch up with the simulator")
+
+
+def assert_exact(store: Store, ip: str, sim: SimulatedVLLM) -> None:
+    """L1 copy counts equal the simulator's GPU cache; L2 equals its CPU tier."""
+    wait_quiet(store, ip, sim)
+    assert store.tier_counts(ip, "l1") == dict(true_counts(sim))
+    cpu = set().union(*(m.cpu_hashes() for m in sim.models.values()))
+    assert store.tier_members(ip, "l2") == cpu
+    assert not store.tier_members(ip, "l1") & (cpu - set(true_counts(sim)))
+
+
+def warm_up(store: Store, ip: str, sim: SimulatedVLLM, timeout: float = 10.0) -> None:
+    """Without a replay endpoint the first batches can be lost (slow joiner, spec §1.2):
+    publish no-op AllBlocksCleared batches until the ingester has joined every rank."""
+    from common.events import AllBlocksCleared
+
+    def joined() -> bool:
+        pending = [r for r in sim.ranks if store.last_seq(ip, r) is None]
+        for r in pending:
+            sim.emit([AllBlocksCleared()], rank=r)
+        return not pending
+
+    wait_for(joined, timeout=timeout, interval=0.05, what=f"{ip} to join the stream")
+    wait_quiet(store, ip, sim)

@@ -1,0 +1,179 @@
+"""The real ``cache-indexer api`` (gunicorn, 2 gthread workers) against a real redis-server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from common.blockhash import BlockHasher
+from common.config import Config
+from common.store import Instance, Store, TierOps
+from services.api.app import hash_settings
+from services.api.hit_rate import UNREACHABLE
+from tests.conftest import ROOT, RedisServer, free_port, wait_for
+
+PATH = "/kv-cache/hit-rate"
+BS = 128
+LIMIT = 65536
+SHUTDOWN = 5
+IP = "10.1.0.7"
+
+
+class Api:
+    """One ``python -m services.cli api`` process that this test started."""
+
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = tmp / "config.yaml"
+        config.write_text(
+            f'http:\n  addr: "127.0.0.1:{self.port}"\n  shutdownTimeout: {SHUTDOWN}s\n'
+            f"  maxHitRateBodyBytes: {LIMIT}\n  workers: 2\n  threads: 4\n"
+            f"redis:\n  url: {redis_url}\n  socketTimeout: 1s\n  connectTimeout: 1s\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
+        env["PYTHONPATH"] = str(ROOT)
+        self.log = (tmp / "api.log").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "api", "--config", str(config)],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for(lambda: httpx.get(f"{self.url}/healthz").status_code == 200,
+                 timeout=20, what="the API to answer /healthz")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(SHUTDOWN + 5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def redis_srv() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def api(redis_srv: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    server = Api(tmp_path_factory.mktemp("api"), redis_srv.url)
+    yield server
+    server.stop()
+
+
+def _hit_rate(api: Api, tokens: list[int], ips: list[str]) -> httpx.Response:
+    body = {"server_ip": ips, "body": {"token_ids": tokens, "cache_salt": "", "block_size": BS}}
+    return httpx.post(f"{api.url}{PATH}", json=body)
+
+
+def test_hit_rate_over_http(api: Api, redis_srv: RedisServer) -> None:
+    tokens = [(i * 7919) % 150_000 for i in range(10 * BS + 5)]
+    members = [int(m) for m in BlockHasher(hash_settings(Config())).member_keys(
+        tokens[: 10 * BS], BS)]
+    store = Store(redis.Redis.from_url(redis_srv.url))
+    _, gen = store.upsert_instance(Instance(ip=IP, uid="pod-uid"))
+    ops = TierOps()
+    ops.store("l1", members[:7])
+    store.apply_batch(IP, gen, 0, 1, ops)
+    store.replace_l3(IP, members[:3] + members[4:])
+    resp = _hit_rate(api, tokens, [IP, "10.9.9.9", IP])
+    assert resp.status_code == 200
+    assert resp.json() == {"server_score_list": [
+        {"server_ip": IP, "l1_hit_ratio": 0.7, "l3_hit_ratio": 0.3},
+        {"server_ip": "10.9.9.9", "l1_hit_ratio": 0.0, "l3_hit_ratio": 0.0},
+        {"server_ip": IP, "l1_hit_ratio": 0.7, "l3_hit_ratio": 0.3}], "message": "", "status": 0}
+
+
+def test_error_statuses_over_http(api: Api) -> None:
+    for method in ("GET", "OPTIONS", "FOO"):
+        resp = httpx.request(method, f"{api.url}{PATH}")
+        assert (resp.status_code, resp.json()["status"], resp.headers["allow"]) == (
+            405, 405, "POST")
+    resp = httpx.post(f"{api.url}{PATH}", content=b"{not json")
+    assert (resp.status_code, resp.json()["status"]) == (400, 400)
+    resp = httpx.post(f"{api.url}{PATH}", content=b" " * (LIMIT + 1))
+    assert resp.json() == {"server_score_list": [], "status": 413,
+                           "message": f"the request body is larger than the limit of {LIMIT} bytes"}
+    chunks = (b" " * 8192 for _ in range(3 * LIMIT // 8192))  # an iterator: sent chunked
+    resp = httpx.post(f"{api.url}{PATH}", content=chunks)
+    assert (resp.status_code, resp.json()["status"]) == (413, 413)
+    resp = httpx.get(f"{api.url}/no/such/path")
+    assert (resp.status_code, resp.json()["status"]) == (404, 404)
+
+
+def _healthz_405s(api: Api) -> int:
+    text = httpx.get(f"{api.url}/metrics").text
+    m = re.search(r'^cache_indexer_api_requests_total\{path="/healthz",status="405"\} (\d+)$',
+                  text, re.MULTILINE)
+    return int(m.group(1)) if m else 0
+
+
+def test_metrics_are_summed_over_workers(api: Api) -> None:
+    n = 40
+    for _ in range(n):  # a new connection each time, so both workers take some
+        assert httpx.post(f"{api.url}/healthz").status_code == 405
+    wait_for(lambda: _healthz_405s(api) == n, timeout=5, what=f"the metrics to count {n} 405s")
+    for _ in range(6):  # whichever worker answers the scrape sees every worker's counts
+        assert _healthz_405s(api) == n
+    text = httpx.get(f"{api.url}/metrics").text
+    assert "cache_indexer_api_request_duration_seconds_bucket" in text
+
+
+def test_readyz_follows_redis(api: Api, redis_srv: RedisServer) -> None:
+    assert httpx.get(f"{api.url}/readyz").status_code == 200
+    redis_srv.stop()
+    try:
+        resp = httpx.get(f"{api.url}/readyz")
+        assert resp.status_code == 503 and resp.json()["status"] == "unavailable"
+        resp = _hit_rate(api, list(range(BS)), [IP])
+        assert resp.status_code == 500
+        assert resp.json() == {"server_score_list": [], "message": UNREACHABLE, "status": 500}
+        assert httpx.get(f"{api.url}/healthz").status_code == 200
+    finally:
+        redis_srv.start()  # the same port: the API's pooled clients reconnect by themselves
+    wait_for(lambda: all(httpx.get(f"{api.url}/readyz").status_code == 200 for _ in range(4)),
+             timeout=10, what="readyz to recover on every worker")
+
+
+def test_sigterm_stops_within_the_shutdown_timeout(
+        redis_srv: RedisServer, tmp_path: Path) -> None:
+    api = Api(tmp_path, redis_srv.url)
+    started = time.monotonic()
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(SHUTDOWN + 5) == 0
+    assert time.monotonic() - started < SHUTDOWN
+    api.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{api.url}/healthz")
+
+
+@pytest.mark.parametrize(("yaml_text", "expected"), [
+    ("http:\n  addr: ':0'\n  workerz: 3\n", b"http.workerz: unknown key"),
+    ("blockKey:\n  pythonHashSeed: null\n  vllmVersion: 0.28.0\n", b"PYTHONHASHSEED is unset"),
+])
+def test_config_error_exits_2_before_serving(
+        tmp_path: Path, yaml_text: str, expected: bytes) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "api", "--config", str(config)],
+        cwd=ROOT, env=env, capture_output=True, timeout=30, check=False)
+    assert done.returncode == 2
+    assert expected in done.stderr
+    assert b"Booting worker" not in done.stderr

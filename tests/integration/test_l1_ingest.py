@@ -1,0 +1,303 @@
+"""L1 ingester against real ZMQ publishers (the simulator) and a real redis-server.
+
+The ingester runs in-process here (threads) so its metrics can be read; process-level
+behaviour (SIGKILL, lease handover, the CLI) is in test_l1_ingest_processes.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+import redis
+import zmq
+
+from common.events import AllBlocksCleared, BlockRemoved, BlockStored
+from common.store import Instance, Store
+from services.simulator.cache_model import Request
+from services.simulator.engine import SimulatedVLLM
+from services.simulator.publisher import Publisher
+from services.simulator.workload import Workload
+from tests.conftest import DATA, wait_for
+from tests.integration.l1_support import (
+    InProcessIngester,
+    assert_exact,
+    free_ports,
+    register,
+    true_counts,
+    wait_quiet,
+    warm_up,
+)
+
+IP = "127.0.0.11"
+SimFactory = Callable[..., SimulatedVLLM]
+
+
+@pytest.fixture()
+def make_sim() -> Iterator[SimFactory]:
+    sims: list[SimulatedVLLM] = []
+
+    def make(version: str = "0.28.0", *, replay: bool = True, dp: int = 1,
+             **kw: object) -> SimulatedVLLM:
+        port = free_ports(dp)
+        rport = free_ports(dp) if replay else 0
+        kw.setdefault("num_blocks", 64)
+        sim = SimulatedVLLM(
+            f"tcp://*:{port}", f"tcp://*:{rport}" if replay else "", "kv-events",
+            vllm_version=version, ranks=range(dp), **kw)  # type: ignore[arg-type]
+        sims.append(sim)
+        return sim
+
+    yield make
+    for sim in sims:
+        sim.close()
+
+
+@pytest.fixture()
+def ingester(redis_client: redis.Redis) -> Iterator[Callable[..., InProcessIngester]]:
+    made: list[InProcessIngester] = []
+
+    def make(**overrides: str) -> InProcessIngester:
+        made.append(InProcessIngester(redis_client, **overrides))
+        return made[-1]
+
+    yield make
+    for ing in made:
+        ing.close()
+
+
+def drive(sim: SimulatedVLLM, steps: int, seed: int = 1, per_step: int = 3,
+          drop_every: int = 0) -> list[Request]:
+    workload = Workload("mixed", prompts=12, prompt_len=96, block_size=sim.block_size, seed=seed)
+    served = []
+    for i in range(1, steps + 1):
+        requests = [workload.next() for _ in range(per_step * len(sim.ranks))]
+        sim.serve(requests, drop=bool(drop_every) and i % drop_every == 0)
+        served += requests
+    return served
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.28.0", "0.34.0"])
+def test_both_encodings_index_exactly(redis_client: redis.Redis, make_sim: SimFactory,
+                                      ingester: Callable[..., InProcessIngester],
+                                      version: str) -> None:
+    store = Store(redis_client)
+    sim = make_sim(version, replay=False, cpu_blocks=16)
+    ing = ingester()
+    register(store, IP, sim)
+    warm_up(store, IP, sim)
+    served = drive(sim, 40)
+    twin = Request(tuple(range(1000, 1048)))  # same new prompt twice in one step: two copies
+    sim.serve([twin, twin])
+    assert_exact(store, IP, sim)
+    assert [store.tier_counts(IP)[h] for h in sim.models[0].hashes(twin)] == [2, 2, 2]
+    assert sim.models[0].cpu_hashes(), "workload must offload to CPU (tier l2)"
+    assert ing.count("events", type="BlockStored", outcome="l2") > 0
+    assert ing.count("skipped_media", medium="CPU") > 0
+    for request in served:
+        got = store.prefix_lengths([IP], sim.member_keys(request))[0][0]
+        assert got == sim.true_prefix_len(request)
+
+
+def test_event_semantics_copies_media_groups_and_bad_input(
+        redis_client: redis.Redis, make_sim: SimFactory,
+        ingester: Callable[..., InProcessIngester]) -> None:
+    store = Store(redis_client)
+    sim = make_sim(replay=False)
+    ing = ingester()
+    register(store, IP, sim)
+    warm_up(store, IP, sim)
+
+    def stored(h: int, **kw: object) -> BlockStored:
+        kw.setdefault("medium", "GPU")
+        return BlockStored([h], None, list(range(16)), 16, **kw)  # type: ignore[arg-type]
+
+    sim.emit([stored(1), stored(1), stored(2, medium=None), stored(3, medium="cpu"),
+              stored(4, group_idx=1), stored(5, kv_cache_spec_kind="sliding_window"),
+              BlockStored([6], None, [], 0, medium="GPU"), BlockRemoved([1], medium="GPU")])
+    wait_quiet(store, IP, sim)
+    assert store.tier_counts(IP, "l1") == {1: 1, 2: 1}  # stored twice, removed once: held
+    assert store.tier_members(IP, "l2") == {3}
+    # An unknown event between good ones is skipped; the rest of the batch still applies.
+    good = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash":
+                                 None, "token_ids": [1], "block_size": 1, "lora_id": None,
+                                 "medium": "GPU"}, {"type": "Snapshot", "x": 1},
+                                ["BlockRemoved", [1], "GPU"]], 0])
+    sim.publishers[0].publish_payload(good)
+    not_a_batch = sim.publishers[0].publish_payload(b"\xc1garbage")
+    sim.emit([BlockRemoved([2], medium="GPU")])
+    wait_quiet(store, IP, sim)
+    assert store.tier_members(IP, "l1") == {7}
+    assert ing.count("events", type="unknown", outcome="skipped:unknown_type") == 1
+    assert ing.count("malformed_frames", reason="not_a_batch") == 1
+    assert store.l1_state(IP).get("gap:0") is None, f"seq {not_a_batch} must not be a gap"
+    sim.emit([AllBlocksCleared()])
+    wait_quiet(store, IP, sim)
+    assert store.tier_members(IP, "l1") == set() and store.tier_members(IP, "l2") == {3}
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.28.0"])  # replay without / with topic frame
+def test_gaps_are_filled_by_replay(redis_client: redis.Redis, make_sim: SimFactory,
+                                   ingester: Callable[..., InProcessIngester],
+                                   version: str) -> None:
+    store = Store(redis_client)
+    sim = make_sim(version)
+    ing = ingester()
+    register(store, IP, sim)
+    warm_up(store, IP, sim)
+    drive(sim, 30, drop_every=4)
+    assert_exact(store, IP, sim)
+    assert ing.count("gaps", outcome="recovered") >= 1
+    assert ing.count("gaps", outcome="unrecoverable") == 0
+    assert "gap:0" not in store.l1_state(IP)
+
+
+@pytest.mark.parametrize("policy", ["keep", "clear"])
+def test_unrecoverable_gaps_follow_the_policy(redis_client: redis.Redis, make_sim: SimFactory,
+                                              ingester: Callable[..., InProcessIngester],
+                                              policy: str) -> None:
+    store = Store(redis_client)
+    # keep: replay exists but its buffer (2 batches) no longer holds the first lost one;
+    # clear: no replay endpoint at all.
+    sim = make_sim(replay=policy == "keep", buffer_steps=2)
+    ing = ingester(onUnrecoverableGap=policy)
+    register(store, IP, sim)
+    warm_up(store, IP, sim)
+    gaps_before = ing.count("gaps", outcome="unrecoverable")
+    flagged_before = int(store.l1_state(IP).get("gap:0", 0))
+    sim.emit([BlockStored([11], None, [1] * 16, 16, medium="GPU")])
+    wait_quiet(store, IP, sim)
+    for h in (12, 13, 14):
+        sim.emit([BlockStored([h], None, [1] * 16, 16, medium="GPU")], drop=True)
+    sim.emit([BlockStored([15], None, [1] * 16, 16, medium="GPU")])
+    wait_quiet(store, IP, sim)
+    assert ing.count("gaps", outcome="unrecoverable") == gaps_before + 1
+    if policy == "keep":  # kept and flagged; replay still delivered what it had (14)
+        assert store.tier_members(IP, "l1") == {11, 14, 15}
+        assert int(store.l1_state(IP)["gap:0"]) == flagged_before + 1
+    else:  # cleared, then the batch after the gap applied
+        assert store.tier_members(IP, "l1") == {15}
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_publisher_restart_drops_the_old_index(redis_client: redis.Redis, make_sim: SimFactory,
+                                               ingester: Callable[..., InProcessIngester],
+                                               replay: bool) -> None:
+    store = Store(redis_client)
+    sim = make_sim(replay=replay)
+    ing = ingester()
+    register(store, IP, sim)
+    if not replay:
+        warm_up(store, IP, sim)
+    drive(sim, 15, seed=2)
+    assert_exact(store, IP, sim)
+    before = set(true_counts(sim))
+    sim.restart()
+    if not replay:  # the first batches after a reconnect may be lost; send no-ops first
+        def detected() -> bool:
+            if ing.count("restarts") >= 1:
+                return True
+            sim.emit([AllBlocksCleared()])
+            return False
+
+        wait_for(detected, interval=0.05, what="the restart to be detected")
+    drive(sim, 10, seed=3)
+    assert_exact(store, IP, sim)
+    assert ing.count("restarts") == 1
+    stale = before - set(true_counts(sim))
+    assert stale and not stale & store.tier_members(IP, "l1")
+
+
+def test_dp_ranks_are_separate_streams(redis_client: redis.Redis, make_sim: SimFactory,
+                                       ingester: Callable[..., InProcessIngester]) -> None:
+    store = Store(redis_client)
+    sim = make_sim(dp=2)
+    ingester()
+    register(store, IP, sim)
+    warm_up(store, IP, sim)
+    served = drive(sim, 20, seed=4, per_step=2, drop_every=5)
+    assert_exact(store, IP, sim)
+    assert {store.last_seq(IP, 0), store.last_seq(IP, 1)} == {sim.last_seq(0), sim.last_seq(1)}
+    assert sim.models[0].gpu_counts() and sim.models[1].gpu_counts()
+    sim.reset_prefix_cache(rank=1)  # AllBlocksCleared empties rank 1 only
+    wait_quiet(store, IP, sim)
+    assert store.tier_counts(IP, "l1") == sim.models[0].gpu_counts()
+    for request in served:
+        assert store.prefix_lengths([IP], sim.member_keys(request))[0][0] == \
+            sim.true_prefix_len(request)
+
+
+def test_registry_changes_take_effect_without_restart(
+        redis_client: redis.Redis, make_sim: SimFactory,
+        ingester: Callable[..., InProcessIngester]) -> None:
+    store = Store(redis_client)
+    first, second = make_sim(), make_sim()
+    ing = ingester()
+    register(store, IP, first)
+    drive(first, 5)
+    assert_exact(store, IP, first)
+    # The pod on this IP is replaced (new uid → new generation, data dropped by discovery):
+    # the ingester resubscribes to the new endpoint with fresh state.
+    register(store, IP, second, uid="uid-2")
+    drive(second, 5, seed=9)
+    assert_exact(store, IP, second)
+    store.remove_instance(IP)
+    wait_for(lambda: ing.metrics.subscribed.value() == 0, what="the ingester to unsubscribe")
+    drive(second, 3, seed=10)
+    second.flush()
+    assert store.last_seq(IP, 0) is None and store.tier_members(IP, "l1") == set()
+
+
+def _capture(name: str) -> dict[str, object]:
+    doc = json.loads((DATA / "vllm_golden.json").read_text())
+    return doc["versions"]["0.28.0"]["zmq_capture"][name]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", ["topic_kv_events_dp0", "topic_empty_dp1"])
+def test_real_vllm_frames(redis_client: redis.Redis,
+                          ingester: Callable[..., InProcessIngester], name: str) -> None:
+    """Frames captured from a real vLLM 0.28.0 publisher, re-sent through a real PUB socket.
+
+    The capture's endpoint was the subscriber's (vLLM connects its PUB when the endpoint is
+    not a wildcard); here the PUB binds a free port and the ingester connects, the usual
+    deployment. The frames on the wire are byte-identical to the capture.
+    """
+    cap = _capture(name)
+    rank, topic = int(cap["data_parallel_rank"]), str(cap["topic"])  # type: ignore[call-overload]
+    port, rport = free_ports(2), free_ports(2)
+    pub = Publisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic, dp_rank=rank,
+                    vllm_version=(0, 28, 0), buffer_steps=int(cap["buffer_steps"]))  # type: ignore[call-overload]
+    store = Store(redis_client)
+    try:
+        ing = ingester(topic=topic)
+        store.upsert_instance(Instance(ip=IP, uid="u", zmq_endpoint=f"tcp://127.0.0.1:{port}",
+                                       replay_endpoint=f"tcp://127.0.0.1:{rport}",
+                                       dp_size=rank + 1))
+        wait_for(lambda: ing.count("replays", result="complete") >= 1, what="connect + replay")
+        held: Counter[int] = Counter()
+        for frame in cap["live_frames"]:  # type: ignore[attr-defined]
+            topic_hex, seq_hex, payload_hex = frame["frames_hex"]
+            assert bytes.fromhex(topic_hex) == topic.encode()
+            seq = pub.publish_payload(bytes.fromhex(payload_hex))
+            assert seq == int(seq_hex, 16) == frame["seq"]
+            for event in frame["payload_decoded_plain_msgpack"][1]:
+                if event["type"] == "AllBlocksCleared":
+                    held.clear()
+                for h in event.get("block_hashes", []):
+                    held[h] += 1 if event["type"] == "BlockStored" else -1
+            wait_for(lambda s=seq: store.last_seq(IP, rank) == s, what=f"seq {seq}")
+            assert store.tier_counts(IP) == {h: n for h, n in held.items() if n > 0}
+        # The simulator's replay answers byte for byte like the captured vLLM DEALER replay.
+        replay = cap["replay_dealer"]
+        dealer = pub.ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{rport + rank}")
+        dealer.send_multipart([bytes.fromhex(h) for h in replay["request_frames_hex"]])  # type: ignore[index]
+        for expected in replay["replies_frames_hex"]:  # type: ignore[index]
+            assert dealer.poll(5000)
+            assert dealer.recv_multipart() == [bytes.fromhex(h) for h in expected]
+        dealer.close(linger=0)
+    finally:
+        pub.close()

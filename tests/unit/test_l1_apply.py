@@ -1,0 +1,158 @@
+"""Pure rules of the L1 ingester: events → tier ops, medium/group policy, sequence logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import DecodeError
+from common.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    SkippedEvent,
+    decode_batch,
+    encode_batch,
+)
+from services.l1_ingest.apply import (
+    APPLY,
+    DUPLICATE,
+    GAP,
+    RESTART,
+    Cursor,
+    classify,
+    in_prefix_group,
+    plan_ops,
+    plan_run,
+    tier_for_medium,
+)
+from services.l1_ingest.replay import END_SEQ, parse_reply
+from services.l1_ingest.stream import rank_endpoint
+from services.l1_ingest.subscriber import parse_live
+
+
+def stored(hashes: list[int], medium: str | None = "GPU", **kw: object) -> BlockStored:
+    tokens = kw.pop("token_ids", list(range(4 * len(hashes))))
+    return BlockStored(hashes, None, tokens, kw.pop("block_size", 4), medium=medium, **kw)  # type: ignore[arg-type]
+
+
+def batch(*events: object, skipped: list[SkippedEvent] | None = None) -> EventBatch:
+    return EventBatch(1.0, list(events), 0, skipped or [], "map")  # type: ignore[arg-type]
+
+
+def test_ops_follow_event_order_and_merge_runs() -> None:
+    plan = plan_ops(batch(stored([1, 2]), stored([3]), BlockRemoved([1], medium="GPU"),
+                          AllBlocksCleared(), stored([4])))
+    assert plan.ops.ops == [("S", "l1", [1, 2, 3]), ("R", "l1", [1]), ("C", "l1", []),
+                            ("S", "l1", [4])]
+    assert plan.outcomes[("BlockStored", "l1")] == 3
+    assert plan.hash_updates["l1"] == 5
+
+
+def test_duplicate_store_is_two_ops_not_a_set() -> None:
+    plan = plan_ops(batch(stored([7]), stored([7]), BlockRemoved([7])))
+    assert plan.ops.ops == [("S", "l1", [7, 7]), ("R", "l1", [7])]
+
+
+@pytest.mark.parametrize(("medium", "tier"), [
+    ("GPU", "l1"), (None, "l1"), ("gpu", "l1"), ("CPU", "l2"), ("cpu", "l2"), ("STORAGE", "l2"),
+    ("LMCACHE_DISK", "l2"),
+])
+def test_medium_policy(medium: str | None, tier: str) -> None:
+    assert tier_for_medium(medium) == tier
+    plan = plan_ops(batch(stored([5], medium=medium), BlockRemoved([6], medium=medium)))
+    assert plan.ops.ops == [("S", tier, [5]), ("R", tier, [6])]
+    assert sum(plan.other_media.values()) == (0 if tier == "l1" else 2)
+
+
+@pytest.mark.parametrize(("group", "kind", "indexed"), [
+    (None, None, True), (0, None, True), (0, "full_attention", True), (0, "mla_attention", True),
+    (1, "full_attention", False), (0, "sliding_window", False), (0, "mamba", False),
+    (None, "chunked_local_attention", False), (2, None, False),
+])
+def test_group_policy(group: int | None, kind: str | None, indexed: bool) -> None:
+    assert in_prefix_group(group, kind) is indexed
+    plan = plan_ops(batch(stored([9], group_idx=group, kv_cache_spec_kind=kind)))
+    assert plan.ops.ops == ([("S", "l1", [9])] if indexed else [])
+    assert plan.outcomes[("BlockStored", "l1" if indexed else "other_group")] == 1
+
+
+def test_removed_of_another_group_is_not_indexed() -> None:
+    plan = plan_ops(batch(BlockRemoved([9], medium="GPU", group_idx=1)))
+    assert plan.ops.ops == [] and plan.outcomes[("BlockRemoved", "other_group")] == 1
+
+
+def test_placeholder_stores_are_not_indexed_but_real_ones_after_them_are() -> None:
+    plan = plan_ops(batch(stored([1], medium="CPU", token_ids=[], block_size=0), stored([2])))
+    assert plan.ops.ops == [("S", "l1", [2])]
+    assert plan.outcomes[("BlockStored", "placeholder")] == 1
+
+
+def test_bytes_hashes_are_keyed_by_their_last_8_bytes() -> None:
+    digest = bytes(range(32))
+    plan = plan_ops(batch(stored([digest])))
+    assert plan.ops.ops == [("S", "l1", [int.from_bytes(digest[-8:], "big")])]
+
+
+def test_skipped_events_are_counted_and_do_not_stop_the_rest() -> None:
+    # A real payload with an unknown event between two good ones (both encodings).
+    for version in ((0, 23, 0), (0, 28, 0)):
+        good = encode_batch([stored([1]), stored([2])], ts=1.0, data_parallel_rank=0,
+                            vllm_version=version)
+        decoded = decode_batch(good.replace(b"BlockStored", b"BlockStorex", 1))
+        plan = plan_ops(decoded)
+        assert plan.ops.ops == [("S", "l1", [2])]
+        assert plan.outcomes[("unknown", "skipped:unknown_type")] == 1
+
+
+def test_classify_sequences() -> None:
+    assert classify(Cursor(None), 57) == APPLY  # joining: start wherever the stream is
+    c = Cursor(applied=10)
+    assert classify(c, 11) == APPLY
+    assert classify(c, 13) == GAP
+    assert classify(c, 3) == RESTART  # nothing this session covered seq 3: vLLM restarted
+    c.covered_from, c.live_max = 5, None
+    assert classify(c, 7) == DUPLICATE  # applied by this session's replay
+    c.live_max = 8
+    assert classify(c, 8) == RESTART  # the live stream itself went backwards
+    assert classify(c, 9) == DUPLICATE
+
+
+def test_restart_expects_zero_and_resets_once() -> None:
+    c = Cursor(applied=40, live_max=40, covered_from=1)
+    c.mark_restart()
+    assert c.expected() == 0 and c.reset_pending and c.live_max is None
+    assert classify(c, 0) == APPLY and classify(c, 3) == GAP
+    c.mark_applied(0)
+    assert not c.reset_pending and c.covered_from == 0
+
+
+def test_plan_run_orders_drops_duplicates_and_flags_gaps() -> None:
+    steps, dropped = plan_run(4, [(9, b"l"), (5, b"a"), (3, b"x"), (6, b"b"), (6, b"b2")])
+    assert [(s.seq, s.gap_before) for s in steps] == [(5, False), (6, False), (9, True)]
+    assert dropped == 2
+    steps, _ = plan_run(None, [(12, b"a"), (13, b"b")])
+    assert [(s.seq, s.gap_before) for s in steps] == [(12, False), (13, False)]
+    steps, _ = plan_run(4, [(8, b"a")])  # replay started later than asked for
+    assert steps[0].gap_before
+
+
+def test_frame_parsing() -> None:
+    assert parse_live([b"kv-events", (5).to_bytes(8, "big"), b"p"]) == (5, b"p")
+    assert parse_live([b"kv-events", b"\x00" * 7, b"p"]) is None
+    assert parse_live([b"p"]) is None
+    seq = (2).to_bytes(8, "big")
+    end = END_SEQ.to_bytes(8, "big")
+    assert parse_reply([b"", b"kv-events", seq, b"p"]) == (2, b"p")  # vLLM >= 0.26
+    assert parse_reply([b"", seq, b"p"]) == (2, b"p")  # vLLM < 0.26
+    assert parse_reply([b"", b"", end, b""]) is None
+    assert parse_reply([b"", end, b""]) is None
+    with pytest.raises(DecodeError):
+        parse_reply([b"x", seq, b"p"])
+
+
+def test_rank_endpoints() -> None:
+    assert rank_endpoint("tcp://10.0.0.5:5557", 0) == "tcp://10.0.0.5:5557"
+    assert rank_endpoint("tcp://10.0.0.5:5557", 1) == "tcp://10.0.0.5:5558"
+    assert rank_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
+    assert rank_endpoint("", 1) == ""

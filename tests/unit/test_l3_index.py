@@ -1,0 +1,163 @@
+"""MasterIndex: completeness rule, scopes, what gets (re-)located, memory per key."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from common.blockhash import BlockHasher, HashSettings
+from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
+
+HASHER = BlockHasher(HashSettings())
+DIGESTS = HASHER.digests(list(range(1, 1 + 16 * 6)), 16)  # 6 chained blocks
+INTS = HASHER.event_ints(list(range(1, 1 + 16 * 6)), 16)
+SEGS = SegmentMap(["10.0.0.1:12300", "10.0.0.2:12300"],
+                  {"10.0.0.1:15000": "10.0.0.1:12300", "10.0.0.2:15000": "10.0.0.2:12300"})
+A, B = "10.0.0.1:15000", "10.0.0.2:15000"
+
+
+def key(block: int, tp: int = 0, group: int = 0, model: str = "Qwen") -> bytes:
+    return (f"{model}@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@"
+            f"{DIGESTS[block].hex()}").encode()
+
+
+def poll(index: MasterIndex, where: dict[bytes, tuple[str, ...]],
+         segs: SegmentMap = SEGS, extra: tuple[bytes, ...] = (), now: float = 0.0) -> list[bytes]:
+    """One poll over ``where`` (key → endpoints) plus unparsable lines; returns keys located."""
+    index.begin(segs)
+    asked = []
+    for line in [*where, *extra]:
+        ck = index.feed(line)
+        if ck >= 0:
+            asked.append(line)
+            index.located(ck, where[line])
+    index.commit(now)
+    return asked
+
+
+def test_single_rank_segment_scope_and_junk() -> None:
+    index = MasterIndex()
+    where = {key(0): (A,), key(1): (B,), key(2): (A, B), key(3): ()}
+    asked = poll(index, where, extra=(b"other-tenant-key", b"lmcache@1@0@abc@bf16"))
+    assert sorted(asked) == sorted(where)
+    assert index.stats.seen == 6 and index.stats.parsed == 4
+    assert index.stats.skipped["unparsed"] == 2
+    blocks = index.blocks("segment")
+    assert blocks.per_ip == {"10.0.0.1": {INTS[0], INTS[2]}, "10.0.0.2": {INTS[1], INTS[2]}}
+    assert blocks.complete == 4  # the disk-only block is complete but on no segment
+
+
+def test_pool_scope_needs_no_locations() -> None:
+    index = MasterIndex(locate=False)
+    asked = poll(index, {key(0): (A,), key(1): (B,)})
+    assert asked == []
+    assert index.blocks("pool") == Blocks({}, {INTS[0], INTS[1]}, 2)
+
+
+def test_tp2_block_with_a_missing_rank_is_not_counted() -> None:
+    index = MasterIndex()
+    where = {key(b, tp): (A if tp == 0 else B,) for b in range(4) for tp in (0, 1)}
+    del where[key(2, 1)]  # block 2 lost its rank-1 shard
+    poll(index, where)
+    blocks = index.blocks("segment")
+    complete = {INTS[0], INTS[1], INTS[3]}
+    # segment: complete AND at least one of its keys has a replica on the instance
+    assert blocks.per_ip == {"10.0.0.1": complete, "10.0.0.2": complete}
+    assert blocks.complete == 3
+    pool = MasterIndex(locate=False)
+    poll(pool, where)
+    assert pool.blocks("pool").pool == complete
+
+
+def test_a_namespace_that_vanishes_whole_is_still_required_for_a_while() -> None:
+    """Rank 1's pod died and took every rank-1 key: rank-0 keys alone are not loadable."""
+    index = MasterIndex(ns_memory=60)
+    both = {key(b, tp): (A if tp == 0 else B,) for b in range(3) for tp in (0, 1)}
+    poll(index, both, now=100)
+    assert index.blocks("segment").complete == 3
+    rank0 = {k: v for k, v in both.items() if b"tp_rank:0" in k}
+    poll(index, rank0, now=150)
+    assert index.blocks("segment").per_ip == {}
+    poll(index, rank0, now=161)  # forgotten after ns_memory: judged by what is left
+    assert index.blocks("segment").per_ip == {"10.0.0.1": set(INTS[:3])}
+
+
+def test_every_group_is_needed_and_models_are_judged_separately() -> None:
+    index = MasterIndex()
+    where = {key(b, group=g): (A,) for b in range(3) for g in (0, 1)}
+    del where[key(1, group=1)]
+    where[key(4, model="Other")] = (B,)  # another model with one namespace
+    poll(index, where)
+    assert index.blocks("segment").per_ip == {"10.0.0.1": {INTS[0], INTS[2]},
+                                             "10.0.0.2": {INTS[4]}}
+
+
+def test_located_keys_are_not_queried_again_until_their_segment_goes() -> None:
+    index = MasterIndex()
+    where = {key(0): (A,), key(1): (B,), key(2): (B,)}
+    assert len(poll(index, where)) == 3
+    assert poll(index, where) == []  # steady state: nothing re-queried
+    where[key(3)] = (A,)
+    assert poll(index, where) == [key(3)]  # only the new key
+    # segment B goes away: its keys vanish from the master too (or, if still listed,
+    # are located again); A's keys are kept as they are.
+    only_a = SegmentMap(["10.0.0.1:12300"], {A: "10.0.0.1:12300"})
+    still = {key(0): (A,), key(1): (A,), key(3): (A,)}  # key 1 was re-replicated on A
+    assert poll(index, still, only_a) == [key(1)]
+    assert index.blocks("segment").per_ip == {"10.0.0.1": {INTS[0], INTS[1], INTS[3]}}
+
+
+def test_vanished_keys_are_gone_after_the_next_poll() -> None:
+    index = MasterIndex()
+    poll(index, {key(0): (A,), key(1): (A,)})
+    index.begin(SEGS)
+    ck = index.feed(key(2))
+    index.located(ck, None)  # listed, then gone before it was located
+    index.commit()
+    assert index.blocks("segment").per_ip == {}
+    assert index.keys == {}
+
+
+def test_abort_keeps_the_previous_poll() -> None:
+    index = MasterIndex()
+    poll(index, {key(0): (A,)})
+    index.begin(SEGS)
+    index.feed(key(1))
+    index.abort()
+    assert index.blocks("segment").per_ip == {"10.0.0.1": {INTS[0]}}
+
+
+def test_unknown_endpoint_is_flagged_for_a_segment_refresh() -> None:
+    index = MasterIndex()
+    index.begin(SEGS)
+    ck = index.feed(key(0))
+    index.located(ck, ("10.0.0.3:15000",))
+    assert index.unresolved
+    index.remap(SegmentMap([*SEGS.names, "10.0.0.3:12300"], None))
+    index.commit()
+    assert index.blocks("segment").per_ip == {"10.0.0.3": {INTS[0]}}
+
+
+def test_unquotable_keys_are_counted_not_queried() -> None:
+    index = MasterIndex()
+    bad = b"my model@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + DIGESTS[0].hex().encode()
+    assert poll(index, {bad: (A,)}) == []
+    assert index.stats.skipped["unquotable"] == 1
+
+
+def test_memory_per_key_is_small() -> None:
+    n = 50_000
+    lines = [f"M@tp_rank:{i % 2}@pcp0@dcp0@pp_rank:0@group:0@{i // 2:064x}".encode()
+             for i in range(n)]
+    index = MasterIndex()
+    tracemalloc.start()
+    try:
+        index.begin(SEGS)
+        for i, line in enumerate(lines):
+            ck = index.feed(line)
+            index.located(ck, (A,) if i % 3 else (B,))
+        index.commit()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held / n < 150, f"{held / n:.0f} bytes per key"
+    assert index.blocks("segment").complete == n // 2
