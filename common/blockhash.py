@@ -11,17 +11,16 @@ where ``serialize`` is ``cbor2.dumps(obj, canonical=True)`` for ``sha256_cbor`` 
 each digest as an unsigned big-endian integer; the chain always uses all 32 bytes.
 
 The CBOR path does not call cbor2: this runs on every API request (up to 131,072 tokens), so
-it joins precomputed per-token encodings (a lazily built table for ids < 2**18) into each
-preimage. For these shapes canonical CBOR only means shortest-form heads, so the bytes are
-identical; tests keep cbor2 as the reference. The pickle path calls ``pickle.dumps`` exactly
-as vLLM does.
+:mod:`common.blockhash_cbor` encodes all ids at once and this module joins their bytes into
+each block's preimage (same bytes as cbor2; the tests keep cbor2 as the reference). The
+pickle path calls ``pickle.dumps`` exactly as vLLM does.
 
 Decisions (vLLM behaviour the index must mirror, or input we refuse):
 
 - Only full blocks are hashed; the trailing partial block is still validated.
-- A token id is anything ``operator.index`` accepts (int, bool, numpy ints) with
-  ``0 <= id < 2**64``; vLLM >= 0.34 keeps ids as int32, so there ``id < 2**31``. Anything
-  else raises ValueError: vLLM would reject the request, so it can have no cached blocks.
+- A token id is anything ``operator.index`` accepts (int, bool as 0/1, numpy ints; not 1.0)
+  with ``0 <= id < 2**64``; vLLM >= 0.34 keeps ids as int32, so there ``id < 2**31``.
+  Anything else raises ValueError: vLLM would reject the request, so it has no cached blocks.
 - extra keys (§4.4): LoRA on every block, then the salt on block 0 only when truthy.
   0.12-0.30 use the bare LoRA name and salt; >= 0.31 the tagged tuples
   ``("lora", name, path)`` and ``("cache_salt", salt)`` (a LoRA path is then required).
@@ -33,16 +32,14 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import operator
 import pickle
 import re
 import struct
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common import blockhash_cbor as cbor
 from common.errors import ConfigError
 
 ALGOS = ("sha256_cbor", "sha256")
@@ -53,8 +50,6 @@ _TAGGED_KEYS_SINCE = (0, 31, 0)
 _LORA_NAME_SINCE = (0, 12, 0)
 _FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
-_TABLE_SIZE = 1 << 18  # covers every vocabulary up to 262,144 ids (Llama 3, Qwen, Gemma 3)
-_PREIMAGE_HEAD = b"\x83\x58\x20"  # array(3), then bytes(32): the parent digest
 _EVENT_INT = struct.Struct(">24xQ")  # the last 8 bytes of a 32-byte digest
 _VERSION_RE = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
@@ -131,54 +126,7 @@ def to_event_int(digest: bytes) -> int:
 def _serialize(algo: str, obj: object) -> bytes:
     if algo == "sha256":
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _cbor(obj)
-
-
-def _cbor_head(major: int, value: int) -> bytes:
-    """A canonical (shortest-form) CBOR head for major type ``major`` and argument value."""
-    if value < 24:
-        return bytes((major << 5 | value,))
-    for info, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if value < 1 << (8 * width):
-            return bytes((major << 5 | info,)) + value.to_bytes(width, "big")
-    raise ValueError(f"{value} does not fit in a CBOR head")
-
-
-def _cbor(obj: object) -> bytes:
-    """Canonical CBOR of the extra-key shapes this module builds: str, tuple, None."""
-    if obj is None:
-        return b"\xf6"
-    if isinstance(obj, str):
-        data = obj.encode("utf-8")  # a lone surrogate raises, as it does in cbor2
-        return _cbor_head(3, len(data)) + data
-    if isinstance(obj, tuple):
-        return _cbor_head(4, len(obj)) + b"".join(map(_cbor, obj))
-    raise ValueError(f"cannot hash {type(obj).__name__} extra key {obj!r}")
-
-
-@functools.cache
-def _token_table() -> list[bytes]:
-    """CBOR unsigned-int encodings of ids 0.._TABLE_SIZE-1, built on first use (~20 ms)."""
-    pack2, pack4 = struct.Struct(">BH").pack, struct.Struct(">BI").pack
-    return (
-        [bytes((i,)) for i in range(24)]
-        + [bytes((0x18, i)) for i in range(24, 256)]
-        + [pack2(0x19, i) for i in range(256, 1 << 16)]
-        + [pack4(0x1A, i) for i in range(1 << 16, _TABLE_SIZE)]
-    )
-
-
-def _checked_token(value: object, limit: int) -> int:
-    """``value`` as a plain int, or ValueError if it is not a token id below ``limit``."""
-    try:
-        token = int(operator.index(value))  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"token id {value!r} is not an integer") from None
-    if not 0 <= token < limit:
-        raise ValueError(
-            f"token id {token} is out of range: need 0 <= id < 2**{limit.bit_length() - 1}"
-        )
-    return token
+    return cbor.encode(obj)
 
 
 class BlockHasher:
@@ -251,10 +199,11 @@ class BlockHasher:
         # Every id is validated, but the trailing partial block is not hashed.
         full = len(token_ids) - len(token_ids) % block_size
         if self.settings.algo == "sha256":
-            ids = self._exact_ids(token_ids)
+            ids = cbor.plain_ids(token_ids, self._token_limit)
             return self._pickle_chain(ids, full, block_size, first, rest, keep)
-        encoded = self._encode_tokens(token_ids)
-        return self._cbor_chain(encoded, full, block_size, _cbor(first), _cbor(rest), keep)
+        encoded = cbor.encode_ids(token_ids, self._token_limit)
+        tails = cbor.encode(first), cbor.encode(rest)
+        return self._cbor_chain(encoded, full, block_size, *tails, keep)
 
     def _extra_keys(
         self, cache_salt: str | None, lora_name: str | None, lora_path: str | None
@@ -285,33 +234,6 @@ class BlockHasher:
             raise ValueError("vLLM >= 0.31 hashes the LoRA adapter path: lora_path is required")
         return [("lora", name, path)]
 
-    def _encode_tokens(self, tokens: Sequence[int]) -> Sequence[bytes]:
-        """CBOR encodings of the token ids: table look-ups in one C call when every id is
-        in the table, else (or on any bad value) the checked per-id path."""
-        if not tokens:
-            return ()
-        try:
-            # C-speed check that every id is an int >= 0: a negative id would silently
-            # wrap around the table. Non-ints, and ids past the table, fall through.
-            array("Q", tokens)
-            encoded = operator.itemgetter(*tokens)(_token_table())
-            return (encoded,) if len(tokens) == 1 else encoded
-        except (TypeError, OverflowError, IndexError):
-            pass
-        table = _token_table()  # slow path: ids past the table, or a bad id to report
-        ids = self._exact_ids(tokens)
-        return [table[t] if t < _TABLE_SIZE else _cbor_head(0, t) for t in ids]
-
-    def _exact_ids(self, tokens: Sequence[int]) -> list[int]:
-        """Token ids as plain ints: pickle, unlike CBOR, tells True or numpy ints from int."""
-        try:
-            ids = array("Q", tokens).tolist()
-            if not ids or max(ids) < self._token_limit:
-                return ids
-        except (TypeError, OverflowError):
-            pass
-        return [_checked_token(value, self._token_limit) for value in tokens]
-
     def _cbor_chain(
         self,
         encoded: Sequence[bytes],
@@ -323,7 +245,7 @@ class BlockHasher:
     ) -> tuple[list[bytes], list[bytes]]:
         """The hot loop: two joins and one sha256 per block."""
         sha256, join = hashlib.sha256, b"".join
-        head, array_head = _PREIMAGE_HEAD, _cbor_head(4, block_size)
+        head, array_head = cbor.PREIMAGE_HEAD, cbor.head(4, block_size)
         parent = self._none_hash
         digests: list[bytes] = []
         preimages: list[bytes] = []

@@ -26,7 +26,7 @@ if ! $PY -c 'import common.blockhash, zmq, msgpack, cbor2, redis, httpx, kuberne
 fi
 
 # Helm's own template engine for the chart tests (tests/unit/test_chart.py skip without it).
-if ! $PY -c 'import helm' 2>/dev/null; then
+if ! $PY -c 'import helm_python' 2>/dev/null; then
   $PY -m pip install -q --disable-pip-version-check -e ".[chart]" \
     || echo "setup: WARNING: helm-python-sdk could not be installed; chart render tests will be skipped"
 fi

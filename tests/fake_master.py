@@ -173,6 +173,9 @@ class FakeMaster:
 
             def setup(self) -> None:
                 super().setup()
+                # headers and body are two writes: without this, Nagle + delayed ACK
+                # add 40 ms to every keep-alive response
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 master._conns.add(self.connection)
 
             def finish(self) -> None:

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 CONNECT_TIMEOUT = 5.0
 LIST_READ_TIMEOUT = 30.0
+_MIN_WATCH = 1.0
+"""A watch that ends sooner than this (seconds) without an error is reopened after a backoff."""
 
 
 def connect(d: Discovery, env: Mapping[str, str],
@@ -196,9 +198,13 @@ class PodWatcher:
             if not first:
                 self._metrics.watch_restarts.inc(source=self.name)
             first = False
+            started = time.monotonic()
             try:
                 rv = self._watch_once(rv, left)
-                self._backoff.reset()
+                if time.monotonic() - started < _MIN_WATCH:  # ended at once: don't spin
+                    self._closing.wait(self._backoff.next_delay())
+                else:
+                    self._backoff.reset()
             except urllib3.exceptions.ProtocolError as exc:
                 if self._closing.is_set():
                     return

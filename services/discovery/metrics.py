@@ -1,4 +1,26 @@
-"""The discovery process's metrics, registered once on the process's :class:`Registry`."""
+"""The discovery process's metrics, registered once on the process's :class:`Registry`.
+
+Served by :func:`common.metrics.serve` on ``metrics.port`` / ``--metrics-port`` (0 = off).
+All are prefixed ``cache_indexer_discovery_``:
+
+| metric                 | type    | label  | meaning |
+|------------------------|---------|--------|---------|
+| instances, masters     | gauge   | –      | what this process sees now (standbys too) |
+| registry_changes_total | counter | action | added replaced restarted updated removed masters |
+| relists_total          | counter | source | successful pod lists (vllm, masters) |
+| watch_restarts_total   | counter | source | watches reopened from the last resourceVersion |
+| errors_total           | counter | kind   | see below |
+| lease_held             | gauge   | –      | 1 while this process is the writer |
+| static_reloads_total   | counter | result | static file reloads: ok, invalid |
+
+Error kinds: ``unreachable``, ``forbidden`` (401/403), ``api_error`` (other HTTP errors),
+``gone`` (410: relist), ``watch_broken``, ``decode``, ``redis``, ``lease_lost``,
+``config`` (a bad static file), ``internal``.
+
+One counter with an ``action`` label rather than a counter per action keeps the set of
+names small; only the lease holder's ``registry_changes_total`` moves, so summing it over
+all discovery processes counts each write once.
+"""
 
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ Only the lease holder writes (``store.claim_discovery_lease``, renewed every TTL
 standby keeps its source up to date and retries the claim every TTL/3; once it holds the
 lease its first pass is a full reconcile. Writes stop as soon as the holder cannot prove
 it still holds the lease: each write checks that the last successful claim is younger than
-0.8 × TTL, so a paused or partitioned holder stops before its key can expire.
+0.8 × TTL, so a holder that stalls or loses Redis stops before its key can expire. This
+narrows, but cannot close, the window of two writers (a stall *inside* one write); writes
+are not fenced by the lease in Redis. Both processes derive their writes from the same
+API state and every write is idempotent, so such an overlap converges at the next pass.
 
 A part of the view that was never listed successfully is ``None`` ("unknown") and is
 never written: the last good registry stays in place while discovery is blind. Redis
@@ -175,7 +178,7 @@ def run(source: Source, reconciler: Reconciler, stop: threading.Event, backoff: 
                 reconciler.metrics.errors.inc(kind="redis")
                 redis_log.set("down", f"{type(exc).__name__}: {exc}", logging.WARNING)
                 delay = backoff.next_delay()
-            except Exception:
+            except Exception:  # top of the loop: log it, back off, keep the registry
                 logger.exception("reconcile pass failed")
                 reconciler.metrics.errors.inc(kind="internal")
                 delay = backoff.next_delay()

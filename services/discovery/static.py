@@ -1,11 +1,13 @@
 """Static discovery (``discovery.mode: static``): instances and masters listed in the config file.
 
-For docker-compose and bare metal. The file is read about once a second and, when the
-SHA-256 of its bytes changed, re-validated whole (:func:`common.config.load_config`). The
+For docker-compose and bare metal. The file is read about once a second; when the SHA-256
+of its bytes changed and is the same at the next poll (so a half-written file is never
+applied), it is re-validated whole (:func:`common.config.load_config`). The
 content hash decides, not the mtime: a same-size rewrite within the filesystem's timestamp
 granularity keeps the mtime, and a ConfigMap's symlink swap may not change it; the file is
-small, so reading it each second costs nothing. A file that no longer validates (or is
-missing) is logged and ignored — the last good lists stay. Add/remove semantics are those of
+small, so reading it each second costs nothing. A file that no longer validates, is
+missing, or is no longer in static mode (an empty file is valid but means "kubernetes") is
+logged and ignored — the last good lists stay. Add/remove semantics are those of
 Kubernetes mode: an entry that disappears is removed from the registry with its data.
 
 An entry's uid is ``static:<ip>|<zmqEndpoint>|<replayEndpoint>``, so changing an entry's
@@ -85,7 +87,8 @@ class StaticSource:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
-        self._digest = ""  # the first poll reads the file (it may have changed since)
+        self._digest = ""  # applied content; the first polls read the file (it may have changed)
+        self._pending = ""  # content seen once: applied when the next poll sees it unchanged
 
     def start(self) -> None:
         self.changed.set()
@@ -106,7 +109,7 @@ class StaticSource:
         while not self._closing.wait(self._poll):
             try:
                 self.poll_once()
-            except Exception:
+            except Exception:  # top of the loop: keep the last good lists
                 logger.exception("static reload failed")
                 self._metrics.errors.inc(kind="internal")
 
@@ -114,10 +117,17 @@ class StaticSource:
         """Reload if the file changed; True when the desired set was replaced."""
         data, digest = self._read_digest()
         if digest == self._digest:
+            self._pending = ""
             return False
-        self._digest = digest
+        if digest != self._pending:  # changed since the last poll: let a writer finish
+            self._pending = digest
+            return False
+        self._digest, self._pending = digest, ""
         try:
             cfg = load_config(self._path)
+            if cfg.discovery.mode != "static":
+                raise ConfigError(f"discovery.mode is {cfg.discovery.mode!r}, not 'static' "
+                                  "(changing the mode needs a restart)")
             desired = desired_from(cfg.discovery.static)
         except ConfigError as exc:
             logger.error("static discovery: %s changed but is invalid, keeping the last good "
@@ -127,9 +137,6 @@ class StaticSource:
             return False
         if desired == self.desired():
             return False
-        if cfg.discovery.mode != "static":
-            logger.warning("discovery.mode changed to %s: takes effect on restart",
-                           cfg.discovery.mode)
         with self._lock:
             self._desired = desired
         self._metrics.reloads.inc(result="ok")

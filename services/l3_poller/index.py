@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -88,10 +89,11 @@ class PollStats:
 
 @dataclass
 class Blocks:
-    """Result of one poll: ``per_ip`` (scope segment) or ``pool`` (scope pool) block hashes."""
+    """Result of one poll: ``per_ip`` (scope segment) or ``pool`` (scope pool) block hashes,
+    as arrays of distinct u64 (8 bytes each: the writer keeps every master's last result)."""
 
-    per_ip: dict[str, set[int]]
-    pool: set[int] | None
+    per_ip: dict[str, array[int]]
+    pool: array[int] | None
     complete: int
 
 
@@ -197,7 +199,7 @@ class MasterIndex:
         if scope == "pool":
             pool = {ck & U64_MASK for ck in self.keys
                     if head_of[ck >> 64] in single or _hk(head_of, ck) in complete}
-            return Blocks({}, pool, n)
+            return Blocks({}, array("Q", pool), n)
         per_ip: dict[str, set[int]] = {}
         loc_ips = self._loc_ips
         for ck, loc in self.keys.items():
@@ -206,7 +208,7 @@ class MasterIndex:
                 continue
             for ip in ips:
                 per_ip.setdefault(ip, set()).add(ck & U64_MASK)
-        return Blocks(per_ip, None, n)
+        return Blocks({ip: array("Q", per_ip.pop(ip)) for ip in list(per_ip)}, None, n)
 
     def _completeness(self) -> tuple[set[int], dict[int, int], int]:
         """(heads with one namespace — all their keys are complete blocks, the complete

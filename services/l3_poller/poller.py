@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,7 +112,7 @@ class MasterPoller:
         return True
 
     def _drop(self) -> None:
-        view = self.view or MasterView(Blocks({}, set(), 0), frozenset(), 0)
+        view = self.view or MasterView(Blocks({}, array("Q"), 0), frozenset(), 0)
         self.view = view.dropped()
         self._log.set("stale: state dropped", f"after {self.cfg.stale_after:g}s", logging.ERROR)
         self.metrics.master_stale.set(1, master=self.url)

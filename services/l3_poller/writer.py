@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import redis
@@ -40,7 +42,7 @@ class MasterView:
 
     def dropped(self) -> MasterView:
         """The view after ``staleAfter``: no blocks, same attachment, flagged stale."""
-        return MasterView(Blocks({}, set(), 0), self.attached, self.polled_ms, stale=True)
+        return MasterView(Blocks({}, array("Q"), 0), self.attached, self.polled_ms, stale=True)
 
 
 class L3Writer:
@@ -86,8 +88,8 @@ class L3Writer:
         (url, view), = self._views.items()
         return None if view.attached & registered else url
 
-    def _merge(self, ip: str, fallback: str | None) -> tuple[set[int], dict[str, str]]:
-        parts: list[set[int]] = []
+    def _merge(self, ip: str, fallback: str | None) -> tuple[Collection[int], dict[str, str]]:
+        parts: list[array[int]] = []
         masters: list[str] = []
         polled: list[int] = []
         stale = False
@@ -105,7 +107,7 @@ class L3Writer:
             stale |= view.stale
             if hashes:
                 parts.append(hashes)
-        merged = parts[0] if len(parts) == 1 else set().union(*parts)
+        merged: Collection[int] = parts[0] if len(parts) == 1 else set().union(*parts)
         state = {
             "master": ",".join(masters),
             "updated_ms": str(min(polled) if polled else int(time.time() * 1000)),

@@ -3,6 +3,7 @@ simulated instances on free loopback ports, and exactness checks against the sim
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -30,19 +31,21 @@ FAST = {
 
 
 def free_ports(n: int = 1) -> int:
-    """A base port such that base .. base+n-1 are free on 127.0.0.1 right now."""
-    for _ in range(50):
+    """A base port such that base .. base+n-1 are free on 127.0.0.1 right now.
+
+    Chosen below Linux's ephemeral range (32768+), so that the outgoing connections of
+    the test processes cannot take the port between this check and the simulator's bind.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 32_000 - n)
         socks = []
         try:
-            first = socket.socket()
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            socks.append(first)
-            for k in range(1, n):
+            for k in range(n):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", base + k))
-            return int(base)
+            return base
         except OSError:
             continue
         finally:

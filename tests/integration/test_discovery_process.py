@@ -1,4 +1,4 @@
-"""`cache-indexer discovery` as real processes: two at once (lease), SIGKILL, SIGTERM, bad config."""
+"""`cache-indexer discovery` as processes: two at once (lease), SIGKILL, SIGTERM, bad config."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -63,7 +64,8 @@ def sims() -> Iterator[Callable[..., SimulatedVLLM]]:
 
 def drive(sim: SimulatedVLLM, steps: int, workload: Workload, drop_every: int = 0) -> None:
     for i in range(1, steps + 1):
-        sim.serve([workload.next() for _ in range(3)], drop=bool(drop_every) and i % drop_every == 0)
+        drop = bool(drop_every) and i % drop_every == 0
+        sim.serve([workload.next() for _ in range(3)], drop=drop)
 
 
 def test_sigkilled_ingester_restarts_without_losing_anything(
@@ -123,8 +125,9 @@ def test_lease_handover_after_sigkill(
             "duplicate"
 
     victim, survivor_own = chosen[0], chosen[1]
-    wait_for(lambda: holder_is(survivor_own, "ing-b"), what="ing-b to hold its own instance")
-    assert holder_is(victim, "ing-a") and not holder_is(victim, "ing-b")
+    wait_for(lambda: holder_is(survivor_own, "ing-b") and holder_is(victim, "ing-a"),
+             what="each ingester to hold its rendezvous share")
+    assert not holder_is(victim, "ing-b")
     procs[0].send_signal(signal.SIGKILL)  # ing-a dies holding its leases
     procs[0].wait(5)
     killed_at = time.monotonic()
@@ -151,7 +154,8 @@ def test_end_to_end_prefix_lengths_match_the_simulator(
         sims: Callable[..., SimulatedVLLM]) -> None:
     store, ip = Store(redis_client), "127.0.0.51"
     config = write_config(tmp_path / "c.yaml", redis_server.url)
-    procs.append(spawn_ingester(config, subprocess_env, "--metrics-port", "0",
+    metrics_port = free_ports()
+    procs.append(spawn_ingester(config, subprocess_env, "--metrics-port", str(metrics_port),
                                 log=tmp_path / "ingester.log"))
     sim = sims("0.34.0", num_blocks=96, cpu_blocks=32, ranks=[0, 1])
     register(store, ip, sim)  # registered after the ingester started: picked up live
@@ -173,6 +177,10 @@ def test_end_to_end_prefix_lengths_match_the_simulator(
     ]
     assert [m for m in mismatches if m[1] != m[2]] == []
     assert any(m[2] > 0 for m in mismatches) and any(m[2] == 0 for m in mismatches)
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    assert "ci_l1_connected_sockets 2" in text
+    assert 'ci_l1_events_total{type="BlockStored",outcome="l2"}' in text
+    assert 'ci_l1_gaps_total{outcome="recovered"}' in text
 
 
 def test_simulate_vllm_cli_state_file_matches_the_index(
@@ -197,3 +205,12 @@ def test_simulate_vllm_cli_state_file_matches_the_index(
     assert truth["last_seq"] >= 20
     wait_for(lambda: store.last_seq(ip, 0) == truth["last_seq"], what="the ingester to catch up")
     assert store.tier_counts(ip) == {int(h): n for h, n in truth["gpu"].items()}
+
+
+@pytest.mark.parametrize("args", [["--config", "/nonexistent.yaml"],
+                                  ["--shard", "2", "--shards", "2"]])
+def test_bad_config_or_flags_exit_2(subprocess_env: dict[str, str], args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "l1-ingest", *args], check=False,
+                          cwd=ROOT, env=subprocess_env, capture_output=True, timeout=30)
+    assert proc.returncode == 2
+    assert b"Traceback" not in proc.stderr and b"l1-ingest:" in proc.stderr

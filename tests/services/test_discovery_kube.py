@@ -87,7 +87,8 @@ def test_add_label_change_readiness_and_delete(kube: FakeKube, start: Start, sto
     assert inst.zmq_endpoint == "tcp://10.0.0.1:6000"
     assert store.get_instance("10.0.0.2").zmq_endpoint == "tcp://10.0.0.2:5557"  # type: ignore[union-attr]
 
-    kube.modify_pod("b", lambda p: p["metadata"]["labels"].update({"openfuyao.com/pdRole": "decode"}))
+    kube.modify_pod("b", lambda p: p["metadata"]["labels"].update(
+        {"openfuyao.com/pdRole": "decode"}))
     wait_for(lambda: ips(store) == {"10.0.0.1"}, what="b to leave on a label change")
     fill(store, "10.0.0.1")
     kube.modify_pod("a", set_ready(False))
@@ -98,7 +99,7 @@ def test_add_label_change_readiness_and_delete(kube: FakeKube, start: Start, sto
     assert store.get_instance("10.0.0.1").gen > inst.gen  # type: ignore[union-attr]
     kube.delete_pod("a")
     wait_for(lambda: ips(store) == set(), what="a to leave when deleted")
-    assert d.count("changes", action="removed") == 3
+    wait_for(lambda: d.count("changes", action="removed") == 3, what="3 removals counted")
     assert d.count("instances") == 0
 
 
@@ -119,7 +120,7 @@ def test_ip_change_and_container_restart(kube: FakeKube, start: Start, store: St
              what="restart to bump the generation")
     assert store.tier_members("10.0.0.1") == set(), "L1 of the old process must be gone"
     assert store.l3_members("10.0.0.1") == {21, 22}, "Mooncake still holds the L3 blocks"
-    assert d.count("changes", action="restarted") == 1
+    wait_for(lambda: d.count("changes", action="restarted") == 1, what="the restart counted")
 
     kube.modify_pod("a", lambda p: p["status"].update({"podIP": "10.0.0.7"}))
     wait_for(lambda: ips(store) == {"10.0.0.7"}, what="the new IP only")
@@ -138,7 +139,7 @@ def test_ip_reused_by_a_new_pod_starts_empty(kube: FakeKube, start: Start, store
     wait_for(lambda: store.get_instance("10.0.0.1").uid == new_uid,  # type: ignore[union-attr]
              what="the new pod to own the IP")
     assert store.tier_members("10.0.0.1") == set() and store.l3_members("10.0.0.1") == set()
-    assert d.count("changes", action="replaced") == 1
+    wait_for(lambda: d.count("changes", action="replaced") == 1, what="the replacement counted")
     assert store.get_instance("10.0.0.1").pod == "new"  # type: ignore[union-attr]
 
 
@@ -178,8 +179,8 @@ def test_api_server_down_at_start_keeps_registry_then_reconciles(
     store.upsert_instance(Instance(ip="10.9.9.9", uid="from-before", pod="old"))
     down = FakeKube()  # not started: connection refused
     d = start(server=down)
-    wait_for(lambda: d.count("errors", kind="unreachable") >= 4, what="retries")
-    assert d.count("lease_held") == 1
+    wait_for(lambda: d.count("errors", kind="unreachable") >= 4
+             and d.count("lease_held") == 1, what="retries while holding the lease")
     assert ips(store) == {"10.9.9.9"}, "a failed list must not remove anything"
     down.add_pod(vllm_pod("a", "10.0.0.1"))
     down.start()
@@ -238,7 +239,8 @@ PROFILES = {
                  {"infernex.io/pdEngineGroup": "prod.llama", "infernex.io/pdRole": "prefill"},
                  "infernex.io/pdRole"),
     "kserve": ({"engineKey": "app.kubernetes.io/name", "engineValue": "llama",
-                "pdRoleKey": "app.kubernetes.io/component", "pdRoleValue": ["predictor", "prefill"]},
+                "pdRoleKey": "app.kubernetes.io/component",
+                "pdRoleValue": ["predictor", "prefill"]},
                {"app.kubernetes.io/name": "llama", "app.kubernetes.io/component": "predictor"},
                "app.kubernetes.io/component"),
 }
@@ -250,7 +252,7 @@ def test_label_profiles_by_config_alone(kube: FakeKube, start: Start, store: Sto
     labels, match, role_key = PROFILES[profile]
     kube.add_pod(make_pod("yes", "10.0.0.1", match))
     kube.add_pod(make_pod("other-role", "10.0.0.2", {**match, role_key: "decode"}))
-    kube.add_pod(make_pod("default-labels", "10.0.0.3", vllm_pod("x", "1.1.1.1")["metadata"]["labels"]))
+    kube.add_pod(vllm_pod("default-labels", "10.0.0.3"))
     start({"discovery": {"labels": labels}})
     wait_for(lambda: ips(store) == {"10.0.0.1"}, what=f"the {profile} pod only")
     served = [r for r in kube.requests if "watch=true" not in r and "%20in%20" in r]
@@ -268,15 +270,15 @@ def test_two_loops_one_writer_and_takeover(kube: FakeKube, start: Start, store: 
     kube.add_pod(vllm_pod("b", "10.0.0.2"))
     wait_for(lambda: ips(store) == {"10.0.0.1", "10.0.0.2"}, what="b")
     assert redis_client.get(keys.lease("discovery")) == first.holder.encode()
+    wait_for(lambda: second.count("instances") == 2, what="the standby to keep watching")
     assert second.count("lease_held") == 0 and second.writes() == 0
-    assert second.count("instances") == 2, "the standby keeps watching"
 
     first.close()  # releases the lease
     wait_for(lambda: redis_client.get(keys.lease("discovery")) == second.holder.encode(),
              timeout=3, what="the standby to take over within ~TTL")
     kube.delete_pod("a")
     wait_for(lambda: ips(store) == {"10.0.0.2"}, what="the new holder's write")
-    assert second.writes() >= 1
+    wait_for(lambda: second.writes() >= 1, what="the write counted")
 
 
 def test_redis_outage_is_retried(kube: FakeKube, start: Start, tmp_path: Path) -> None:

@@ -25,9 +25,16 @@ class StaticFile:
     def __init__(self, path: Path, redis_url: str) -> None:
         self.path, self.redis_url = path, redis_url
 
-    def write(self, vllm: list[dict[str, Any]], masters: list[dict[str, Any]] | None = None) -> None:
+    def write(self, vllm: list[dict[str, Any]],
+              masters: list[dict[str, Any]] | None = None) -> None:
         static = {"vllm": vllm, "mooncakeMasters": masters or []}
-        write_config(self.path, self.redis_url, {"discovery": {"mode": "static", "static": static}})
+        tmp = write_config(self.path.with_suffix(".tmp"), self.redis_url,
+                           {"discovery": {"mode": "static", "static": static}})
+        tmp.replace(self.path)  # atomically, as a ConfigMap update or an editor does
+
+    def write_text(self, text: str) -> None:
+        self.path.with_suffix(".tmp").write_text(text)
+        self.path.with_suffix(".tmp").replace(self.path)
 
 
 @pytest.fixture()
@@ -36,7 +43,7 @@ def static_file(tmp_path: Path, redis_server: RedisServer) -> StaticFile:
 
 
 @pytest.fixture()
-def running(static_file: StaticFile) -> Iterator[list[RunningDiscovery]]:
+def running() -> Iterator[list[RunningDiscovery]]:
     started: list[RunningDiscovery] = []
     yield started
     for d in started:
@@ -58,7 +65,8 @@ def test_static_entries_reload_add_change_remove(static_file: StaticFile,
     static_file.write([_entry("127.0.0.1", name="a", role="prefill"), _entry("127.0.0.2")],
                       [{"url": "http://127.0.0.1:9003", "name": "mc"}])
     d = _start(static_file, running)
-    wait_for(lambda: store.instance_ips() == {"127.0.0.1", "127.0.0.2"}, what="both entries")
+    wait_for(lambda: store.instance_ips() == {"127.0.0.1", "127.0.0.2"}
+             and len(store.list_masters()) == 1, what="both entries and the master")
     a = store.get_instance("127.0.0.1")
     assert a is not None and (a.pod, a.role, a.zmq_endpoint) == ("a", "prefill", "tcp://127.0.0.1:5557")
     assert json.loads(store.list_masters()["http://127.0.0.1:9003"])["pod"] == "mc"
@@ -73,20 +81,21 @@ def test_static_entries_reload_add_change_remove(static_file: StaticFile,
                        _entry("127.0.0.3", replayEndpoint="tcp://127.0.0.3:5558")],
                       [{"url": "http://127.0.0.9:9003"}])
     wait_for(lambda: store.instance_ips() == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, what="c")
-    wait_for(lambda: store.get_instance("127.0.0.2").dp_size == 2,  # type: ignore[union-attr]
-             what="b's new entry")
+    wait_for(lambda: store.get_instance("127.0.0.2").dp_size == 2  # type: ignore[union-attr]
+             and list(store.list_masters()) == ["http://127.0.0.9:9003"],
+             what="b's new entry and the new master")
     b = store.get_instance("127.0.0.2")
     assert b is not None and b.zmq_endpoint == "tcp://127.0.0.2:6000" and b.gen > gen_b
     assert store.tier_members("127.0.0.2") == set()
     a2 = store.get_instance("127.0.0.1")
     assert a2 is not None and (a2.pod, a2.uid, a2.gen) == ("a2", a.uid, a.gen)
     assert store.get_instance("127.0.0.3").replay_endpoint == "tcp://127.0.0.3:5558"  # type: ignore[union-attr]
-    assert list(store.list_masters()) == ["http://127.0.0.9:9003"]
-    assert d.count("changes", action="replaced") == 1 and d.count("changes", action="updated") == 1
+    wait_for(lambda: d.count("changes", action="replaced") == 1
+             and d.count("changes", action="updated") == 1, what="the counters")
 
     static_file.write([_entry("127.0.0.3", replayEndpoint="tcp://127.0.0.3:5558")])
-    wait_for(lambda: store.instance_ips() == {"127.0.0.3"}, what="a and b removed")
-    assert store.list_masters() == {}
+    wait_for(lambda: store.instance_ips() == {"127.0.0.3"} and store.list_masters() == {},
+             what="a, b and the master removed")
 
 
 def test_invalid_file_keeps_the_last_good_lists(static_file: StaticFile,
@@ -96,10 +105,12 @@ def test_invalid_file_keeps_the_last_good_lists(static_file: StaticFile,
     static_file.write([_entry("127.0.0.1")])
     d = _start(static_file, running)
     wait_for(lambda: store.instance_ips() == {"127.0.0.1"}, what="a")
-    static_file.path.write_text("discovery: {mode: static, static: {vllm: [{zmqEndpoint: 1}]}}")
+    static_file.write_text("discovery: {mode: static, static: {vllm: [{zmqEndpoint: 1}]}}")
     wait_for(lambda: d.count("reloads", result="invalid") == 1, what="the invalid reload")
-    static_file.path.write_text(":: not yaml")
+    static_file.write_text(":: not yaml")
     wait_for(lambda: d.count("reloads", result="invalid") == 2, what="the unparsable reload")
+    static_file.write_text("")  # valid, but it means mode kubernetes: not applied
+    wait_for(lambda: d.count("reloads", result="invalid") == 3, what="the empty file")
     assert store.instance_ips() == {"127.0.0.1"}
     static_file.write([_entry("127.0.0.5")])
     wait_for(lambda: store.instance_ips() == {"127.0.0.5"}, what="the next good file")

@@ -18,6 +18,7 @@ from typing import Any
 import cbor2
 import pytest
 
+from common import blockhash_cbor
 from common.blockhash import (
     BlockHasher,
     HashSettings,
@@ -42,10 +43,15 @@ def _cases(versions: dict[str, Any], key: str) -> list[Any]:
     ]
 
 
-def reference_digests(settings: HashSettings, tokens: list[int], block_size: int,
-                      salt: str | None = None, lora: tuple[str, str] | None = None,
-                      ) -> list[bytes]:  # fmt: skip
+def reference_digests(
+    settings: HashSettings,
+    tokens: list[int],
+    block_size: int,
+    salt: str | None = None,
+    lora: tuple[str, str] | None = None,
+) -> list[bytes]:
     """vLLM's chain with cbor2/pickle, per spec §4.2-§4.4."""
+
     def serialize(obj: object) -> bytes:
         if settings.algo == "sha256":
             return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -68,8 +74,13 @@ def reference_digests(settings: HashSettings, tokens: list[int], block_size: int
 def test_golden_hash_cases(version: str, case: dict[str, Any]) -> None:
     hasher = BlockHasher(HashSettings.from_strings(case["algo"], case["seed"], version))
     lora = case["lora"] or {}
-    args = (case["token_ids"], case["block_size"], case["cache_salt"], lora.get("name"),
-            lora.get("path"))  # fmt: skip
+    args = (
+        case["token_ids"],
+        case["block_size"],
+        case["cache_salt"],
+        lora.get("name"),
+        lora.get("path"),
+    )
     assert none_hash(hasher.settings).hex() == case["none_hash_hex"]
     assert [d.hex() for d in hasher.digests(*args)] == case["block_hashes_hex"]
     assert hasher.event_ints(*args) == case["block_hashes_event_int"]
@@ -84,8 +95,13 @@ def test_golden_hash_cases(version: str, case: dict[str, Any]) -> None:
 @pytest.mark.parametrize(("version", "case"), _cases(VECTORS, ""))
 def test_vllm_made_vectors(version: str, case: dict[str, Any]) -> None:
     hasher = BlockHasher(HashSettings.from_strings(case["algo"], case["seed"], version))
-    args = (case["token_ids"], case["block_size"], case["cache_salt"], case["lora_name"],
-            case["lora_path"])  # fmt: skip
+    args = (
+        case["token_ids"],
+        case["block_size"],
+        case["cache_salt"],
+        case["lora_name"],
+        case["lora_path"],
+    )
     assert none_hash(hasher.settings).hex() == case["none_hash_hex"]
     assert [d.hex() for d in hasher.digests(*args)] == case["block_hashes_hex"]
 
@@ -150,6 +166,18 @@ def test_cbor_integer_width_boundaries(block_size: int) -> None:
         parent = hashlib.sha256(preimage).digest()
 
 
+def test_encoder_matches_cbor2_value_by_value() -> None:
+    edges = CBOR_WIDTHS + [2**16, 2**31, 2**64 - 1]
+    ids = sorted({v + d for v in edges for d in (-1, 0, 1) if 0 <= v + d < 2**64})
+    assert list(blockhash_cbor.encode_ids(ids, 2**64)) == [cbor2.dumps(v) for v in ids]
+    assert list(blockhash_cbor.encode_ids([70_000], 2**64)) == [cbor2.dumps(70_000)]
+    for text in ["", "a" * 23, "a" * 24, "a" * 255, "a" * 256, "a" * 65536, "租户-α🦙"]:
+        assert blockhash_cbor.encode(text) == cbor2.dumps(text, canonical=True)
+    keys = (("lora", "ad", "/p"), ("cache_salt", "s"), "bare")
+    assert blockhash_cbor.encode(keys) == cbor2.dumps(keys, canonical=True)
+    assert blockhash_cbor.encode(None) == cbor2.dumps(None)
+
+
 def test_ids_past_the_table_mixed_with_table_ids() -> None:
     tokens = [5, 300_000, 2**31 - 1, 2**63, 2**64 - 1, 7] * 8
     settings = HashSettings()
@@ -170,3 +198,159 @@ def test_salts_and_lora_match_reference(salt: str, version: tuple[int, int, int]
     assert hasher.digests(tokens, 16, None, *lora) == reference_digests(
         settings, tokens, 16, None, lora
     )
+
+
+def test_tagged_extra_keys_preimage_structure_from_031() -> None:
+    settings = HashSettings(vllm_version=(0, 31, 0))
+    tokens = list(range(100, 148))
+    blocks = [cbor2.loads(p) for p in BlockHasher(settings).preimages(tokens, 16, "s")]
+    assert blocks[0] == [none_hash(settings), tokens[:16], [["cache_salt", "s"]]]
+    assert blocks[1][2] is None and blocks[2][2] is None
+    with_lora = BlockHasher(settings).preimages(tokens, 16, "s", "ad", "/p")
+    assert cbor2.loads(with_lora[0])[2] == [["lora", "ad", "/p"], ["cache_salt", "s"]]
+    assert cbor2.loads(with_lora[1])[2] == [["lora", "ad", "/p"]]
+
+
+def test_untagged_extra_keys_before_031() -> None:
+    settings = HashSettings(vllm_version=(0, 30, 0))
+    preimages = BlockHasher(settings).preimages(list(range(32)), 16, "s", "ad", "/ignored")
+    assert cbor2.loads(preimages[0])[2] == ["ad", "s"]
+    assert cbor2.loads(preimages[1])[2] == ["ad"]
+    # 0.10.2-0.11 key salts the same way; LoRA there is the server's int id (refused)
+    old = BlockHasher(HashSettings(vllm_version=(0, 11, 0)))
+    assert old.digests(list(range(32)), 16, "s") == BlockHasher(settings).digests(
+        list(range(32)), 16, "s"
+    )
+    with pytest.raises(ValueError, match="lora_int_id"):
+        old.digests(list(range(32)), 16, lora_name="ad")
+
+
+@pytest.mark.parametrize("version", [(0, 28, 0), (0, 34, 0)])
+def test_pickle_algo_matches_pickle_dumps(version: tuple[int, int, int]) -> None:
+    settings = HashSettings(algo="sha256", vllm_version=version)
+    hasher = BlockHasher(settings)
+    tokens = CBOR_WIDTHS[:8] * 9
+    lora = ("sql-lora", "/adapters/sql-lora")
+    assert hasher.digests(tokens, 16, "租户-α", *lora) == reference_digests(
+        settings, tokens, 16, "租户-α", lora
+    )
+    preimages = hasher.preimages(tokens, 16, "t")
+    parent, block, extra = pickle.loads(preimages[0])
+    assert (parent, block) == (none_hash(settings), tuple(tokens[:16]))
+    assert extra == ((("cache_salt", "t"),) if version >= (0, 31, 0) else ("t",))
+    # bools and tuples are ids too, but pickled as the plain ints vLLM would hold
+    assert hasher.digests(tuple(True if t == 1 else t for t in tokens), 16) == hasher.digests(
+        tokens, 16
+    )
+
+
+def test_falsy_salt_and_lora_name_mean_none() -> None:
+    hasher = BlockHasher(HashSettings())
+    tokens = list(range(40))
+    plain = hasher.digests(tokens, 16)
+    assert hasher.digests(tokens, 16, "") == plain
+    assert hasher.digests(tokens, 16, None, "") == plain
+    assert hasher.digests(tokens, 16, "s") != plain
+    assert hasher.digests(tokens, 16, "s")[1:] != plain[1:]  # the salt reaches later blocks
+
+
+def test_short_and_empty_prompts_have_no_blocks() -> None:
+    hasher = BlockHasher(HashSettings())
+    for tokens in ([], list(range(15))):
+        assert hasher.digests(tokens, 16) == []
+        assert hasher.event_ints(tokens, 16) == []
+        assert hasher.member_keys(tokens, 16) == []
+    assert len(hasher.digests([7], 1)) == 1
+    assert hasher.digests([True] * 16, 16) == hasher.digests([1] * 16, 16)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [-1] * 16,
+        [1.0] * 16,
+        ["1"] * 16,
+        [None] * 16,
+        [2**64] * 16,
+        list(range(16)) + [-5],
+        list(range(16)) + [0.5],
+        [1] * 15 + [-(2**18) - 1],
+    ],
+)
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
+def test_bad_token_ids_raise_value_error(tokens: list[Any], algo: str) -> None:
+    with pytest.raises(ValueError, match="token id"):
+        BlockHasher(HashSettings(algo=algo)).digests(tokens, 16)
+
+
+def test_int32_token_limit_from_034() -> None:
+    tokens = list(range(15)) + [2**31]
+    assert len(BlockHasher(HashSettings(vllm_version=(0, 33, 0))).digests(tokens, 16)) == 1
+    for algo in ("sha256_cbor", "sha256"):
+        hasher = BlockHasher(HashSettings(algo=algo, vllm_version=(0, 34, 0)))
+        assert len(hasher.digests(tokens[:-1] + [2**31 - 1], 16)) == 1
+        with pytest.raises(ValueError, match=r"2\*\*31"):
+            hasher.digests(tokens, 16)
+        with pytest.raises(ValueError):  # the unhashed partial block is checked too
+            hasher.digests(list(range(16)) + [2**31], 16)
+
+
+@pytest.mark.parametrize("block_size", [0, -16, True, 1.5, "16", None])
+def test_bad_block_size(block_size: Any) -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher(HashSettings()).digests(list(range(32)), block_size)
+
+
+@pytest.mark.parametrize(
+    ("version", "kwargs", "match"),
+    [
+        ((0, 34, 0), {"lora_name": "ad"}, "lora_path is required"),
+        ((0, 28, 0), {"lora_path": "/p"}, "without lora_name"),
+        ((0, 28, 0), {"cache_salt": 5}, "cache_salt must be a string"),
+        ((0, 28, 0), {"lora_name": b"ad"}, "lora_name must be a string"),
+        ((0, 28, 0), {"cache_salt": "\ud800"}, "surrogate"),
+    ],
+)
+def test_bad_extra_keys(version: tuple[int, int, int], kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BlockHasher(HashSettings(vllm_version=version)).digests(list(range(32)), 16, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0.28.0", (0, 28, 0)),
+        ("0.28", (0, 28, 0)),
+        ("v0.34.1", (0, 34, 1)),
+        ("0.29.0rc1", (0, 29, 0)),
+        ("0.28.0+cpu", (0, 28, 0)),
+        (" 0.10.2 ", (0, 10, 2)),
+        ("0.11.0.post1", (0, 11, 0)),
+    ],
+)
+def test_parse_vllm_version(text: str, expected: tuple[int, int, int]) -> None:
+    assert parse_vllm_version(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("algo", "seed", "version"),
+    [
+        ("xxhash", "0", "0.28.0"),
+        ("sha256_cbor", "0", "0.10.1"),
+        ("sha256_cbor", "0", "abc"),
+        ("sha256_cbor", "0", "0.28.x"),
+        ("sha256_cbor", 0, "0.28.0"),
+        ("", "0", "0.28.0"),
+    ],
+)
+def test_bad_settings_raise_config_error(algo: str, seed: Any, version: str) -> None:
+    with pytest.raises(ConfigError):
+        HashSettings.from_strings(algo, seed, version)
+
+
+def test_settings_defaults_and_hashable() -> None:
+    settings = HashSettings()
+    assert (settings.algo, settings.seed, settings.vllm_version) == ("sha256_cbor", "0", (0, 28, 0))
+    assert HashSettings.from_strings("sha256_cbor", "0", "0.28.0") == settings
+    assert len({settings, HashSettings()}) == 1
+    assert none_hash(settings).hex().startswith("4e1195df")

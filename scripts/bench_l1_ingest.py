@@ -1,0 +1,227 @@
+"""Benchmark one ``cache-indexer l1-ingest`` process against a simulated vLLM publisher.
+
+Starts its own redis-server and one ingester (static shard 0/1) on free loopback ports.
+
+1. **Throughput.** The simulator's prefix-cache model pre-generates ``--batches`` engine
+   steps (mixed workload, block size 16, ``--per-step`` requests each); the publisher then
+   sends them as fast as it can (replay on, so anything a high-water mark drops is
+   replayed). Timed from the first to the last applied batch: batches/s, events/s and
+   block-hash updates/s (stores + removes) applied by the ingester. For scale, the raw rate
+   of pipelined SADD (redis-py, 1,000 commands per pipeline, one member each) on the same
+   Redis.
+2. **Lag.** At a steady ``--rate`` batches/s for ``--lag-seconds``, the time from
+   ``publish()`` to the batch's sequence being visible in Redis (this process polls
+   ``Store.last_seq`` in a tight loop): p50 / p99 / max.
+
+Usage: ``python scripts/bench_l1_ingest.py [--batches 20000] [--rate 200] [--lag-seconds 10]``.
+Needs ``redis-server`` on PATH. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.events import BlockRemoved, BlockStored, Event
+from common.store import Instance, Store
+from services.simulator.engine import SimulatedVLLM
+from services.simulator.workload import Workload
+
+IP = "127.0.0.9"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(cond: Callable[[], object], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        pause.wait(0.001)
+
+
+def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]:
+    port = _free_port()
+    rds = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    _wait(lambda: _pings(client), "redis-server")
+    config = workdir / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "redis": {"url": url}, "log": {"level": "warning"},
+        "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "50ms", "backoffMax": "1s",
+                          "replayTimeout": "5s"}}}))
+    ingester = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config),
+         "--shard", "0", "--shards", "1"], cwd=ROOT)
+    return rds, ingester, url
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _sim(batches: int, block_size: int) -> SimulatedVLLM:
+    return SimulatedVLLM(f"tcp://*:{_free_port()}", f"tcp://*:{_free_port()}", "kv-events",
+                         vllm_version="0.28.0", block_size=block_size, num_blocks=4096,
+                         buffer_steps=batches + 10)
+
+
+def _register(store: Store, sim: SimulatedVLLM, uid: str) -> None:
+    store.upsert_instance(Instance(
+        ip=IP, uid=uid, zmq_endpoint=sim.endpoint.replace("*", "127.0.0.1"),
+        replay_endpoint=sim.replay_endpoint.replace("*", "127.0.0.1")))
+
+    def joined() -> bool:  # no-op batches until the ingester has applied one
+        if store.last_seq(IP, 0) is not None:
+            return True
+        sim.reset_prefix_cache()
+        threading.Event().wait(0.01)
+        return False
+
+    _wait(joined, "the ingester to join")
+
+
+def throughput(store: Store, batches: int, per_step: int) -> dict[str, float]:
+    sim = _sim(batches, 16)
+    _register(store, sim, "uid-throughput")
+    workload = Workload("mixed", prompts=256, prompt_len=1024, block_size=16, seed=1)
+    model = sim.models[0]
+    steps: list[list[Event]] = []
+    while len(steps) < batches:
+        events = model.step([workload.next() for _ in range(per_step)])
+        if events:
+            steps.append(events)
+    n_events = sum(len(s) for s in steps)
+    n_hashes = sum(len(e.block_hashes) for s in steps for e in s
+                   if isinstance(e, (BlockStored, BlockRemoved)))
+    payloads_start = sim.last_seq() + 1
+    started = time.perf_counter()
+    for events in steps:
+        sim.publishers[0].publish(events)
+    sim.flush()
+    published = time.perf_counter() - started
+    last = payloads_start + batches - 1
+    _wait(lambda: (store.last_seq(IP, 0) or -1) >= last, "the last batch")
+    elapsed = time.perf_counter() - started
+    sim.close()
+    return {"batches": batches, "events": n_events, "hashes": n_hashes, "seconds": elapsed,
+            "publish_seconds": published}
+
+
+def raw_sadd(client: redis.Redis, members: int) -> float:
+    client.delete("bench:raw")
+    started = time.perf_counter()
+    pipe = client.pipeline(transaction=False)
+    for i in range(members):
+        pipe.sadd("bench:raw", i * 2654435761 % (1 << 64))
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
+    elapsed = time.perf_counter() - started
+    client.delete("bench:raw")
+    return members / elapsed
+
+
+def lag(store: Store, rate: float, seconds: float, per_step: int) -> list[float]:
+    sim = _sim(int(rate * seconds) + 10, 16)
+    _register(store, sim, "uid-lag")
+    workload = Workload("mixed", prompts=64, prompt_len=512, block_size=16, seed=2)
+    sent: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    done, pause = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        last = store.last_seq(IP, 0) or -1
+        while not done.is_set() or last < max(sent, default=-1):
+            now_seq = store.last_seq(IP, 0) or -1
+            stamp = time.perf_counter()
+            for s in range(last + 1, now_seq + 1):
+                seen[s] = stamp
+            last = max(last, now_seq)
+            pause.wait(0.0002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    period, next_at, end = 1.0 / rate, time.perf_counter(), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        events = sim.models[0].step([workload.next() for _ in range(per_step)])
+        if events:
+            stamp = time.perf_counter()
+            sent[sim.publishers[0].publish(events)] = stamp
+        next_at += period
+        pause.wait(max(0.0, next_at - time.perf_counter()))
+    done.set()
+    watcher.join()
+    sim.close()
+    return sorted(seen[s] - t for s, t in sent.items() if s in seen)
+
+
+def _pct(values: list[float], p: float) -> float:
+    return values[min(len(values) - 1, int(p * len(values)))] * 1000
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, default=20_000)
+    ap.add_argument("--per-step", type=int, default=4, help="requests per engine step")
+    ap.add_argument("--rate", type=float, default=200.0, help="batches/s for the lag test")
+    ap.add_argument("--lag-seconds", type=float, default=10.0)
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-l1-"))
+    rds, ingester, url = _start(workdir)
+    client = redis.Redis.from_url(url)
+    store = Store(client)
+    try:
+        t = throughput(store, args.batches, args.per_step)
+        sadd = raw_sadd(client, 200_000)
+        store.remove_instance(IP)
+        lags = lag(store, args.rate, args.lag_seconds, args.per_step)
+    finally:
+        ingester.terminate()
+        ingester.wait(10)
+        rds.terminate()
+        rds.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+    secs = t["seconds"]
+    print("| measure | value |\n|---|---:|")
+    print(f"| batches applied/s (one ingester) | {t['batches'] / secs:,.0f} |")
+    print(f"| events applied/s | {t['events'] / secs:,.0f} |")
+    print(f"| block-hash updates applied/s | {t['hashes'] / secs:,.0f} |")
+    print(f"| (per batch: events / hashes) | {t['events'] / t['batches']:.1f} / "
+          f"{t['hashes'] / t['batches']:.1f} |")
+    print(f"| (publisher alone: batches/s) | {t['batches'] / t['publish_seconds']:,.0f} |")
+    print(f"| raw pipelined SADD, redis-py, members/s | {sadd:,.0f} |")
+    print(f"| lag publish→visible at {args.rate:.0f} batches/s, p50 ms | {_pct(lags, 0.5):.2f} |")
+    print(f"| lag p99 ms | {_pct(lags, 0.99):.2f} |")
+    print(f"| lag max ms ({len(lags)} batches) | {lags[-1] * 1000:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Benchmark one L3 poll of a master holding N keys: time, poller memory, Redis writes.
+
+For each N a fresh child process (so peak RSS is per size) starts a redis-server, registers
+8 instances, and starts a fake master in a *separate* process (tests/fake_master.py, 0.3.13
+wire format, 16 segments = 8 pods × TP 2, keys ``Bench-Model@tp_rank:{0,1}@…@{sha256 hex}``
+placed at random). Then, with ``ingest.l3`` defaults (scope segment, batchSize 200):
+
+* first poll (every key located with /batch_query_keys), steady-state polls (nothing
+  located), a poll after 1 % of the blocks were replaced; each followed by the Redis write
+  of all 8 instances' sets (``L3Writer.publish``);
+* memory: the same first and steady polls again on a fresh index under tracemalloc
+  (peak during the poll, and what stays held after it), and the process's peak RSS;
+* baseline "naive": whole body in memory (``resp.text.splitlines()``), the regex on every
+  key, a dict of key strings, and every key located again on every poll (a stateless
+  poller); and ``/query_key`` one key at a time for a 2,000-key sample, extrapolated to N.
+
+Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]``. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.config import IngestL3  # noqa: E402
+from common.store import Instance, Store  # noqa: E402
+from services.l3_poller.client import MasterClient, parse_batch_body  # noqa: E402
+from services.l3_poller.keys_parser import parse_key  # noqa: E402
+from services.l3_poller.metrics import PollerMetrics  # noqa: E402
+from services.l3_poller.poller import MasterPoller  # noqa: E402
+from services.l3_poller.writer import L3Writer  # noqa: E402
+from tests.conftest import RedisServer  # noqa: E402
+from tests.fake_master import FakeMaster  # noqa: E402
+
+PODS = [f"10.0.0.{i}" for i in range(1, 9)]
+
+
+# -- the fake master process ------------------------------------------------------------
+
+def _block_keys(rng: random.Random, n_blocks: int, eps: list[str]) -> dict[str, tuple[str, ...]]:
+    keys: dict[str, tuple[str, ...]] = {}
+    for _ in range(n_blocks):
+        digest = rng.randbytes(32).hex()
+        for tp in (0, 1):
+            keys[f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}"] = (
+                rng.choice(eps),)
+    return keys
+
+
+def serve(n_keys: int) -> None:
+    """Child: serve N keys; on stdin ``churn F`` replace a fraction F of the blocks."""
+    rng = random.Random(7)
+    master = FakeMaster("0.3.13")
+    master.record_paths = False
+    eps = [master.mount(f"{ip}:{12300 + r}", f"{ip}:{15000 + r}") for ip in PODS for r in (0, 1)]
+    master.set_keys(_block_keys(rng, n_keys // 2, eps))
+    master.all_keys_body()
+    master.start()
+    print(master.url, flush=True)
+    for line in sys.stdin:
+        frac = float(line.split()[1])
+        keys = list(master.keys.items())
+        cut = int(len(keys) * frac) // 2 * 2
+        master.set_keys({**dict(keys[cut:]), **_block_keys(rng, cut // 2, eps)})
+        master.all_keys_body()
+        print("ok", flush=True)
+
+
+# -- the measuring process --------------------------------------------------------------
+
+class Bench:
+    def __init__(self, n_keys: int) -> None:
+        self.n = n_keys
+        self.redis = RedisServer().start()
+        import redis
+
+        self.store = Store(redis.Redis.from_url(self.redis.url))
+        for ip in PODS:
+            self.store.upsert_instance(Instance(ip=ip, uid=ip))
+        self.server = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(n_keys)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.server.stdout is not None
+        self.url = self.server.stdout.readline().strip()
+        self.cfg = IngestL3(http_timeout=60.0, poll_interval=60.0)  # type: ignore[arg-type]
+        self.metrics = PollerMetrics.register()
+        self.writer = L3Writer(self.store, "segment", self.metrics)
+        self.out: dict[str, Any] = {"keys": n_keys}
+
+    def poller(self) -> MasterPoller:
+        client = MasterClient(self.url, 60.0, 60.0)
+        return MasterPoller(self.url, self.cfg, client, self.writer, self.metrics,
+                            threading.Event())
+
+    def poll(self, poller: MasterPoller, name: str, write: bool = True) -> None:
+        located = self.metrics.keys_located.value(master=self.url)
+        wall, cpu = time.perf_counter(), time.process_time()
+        view = poller.poll_once()
+        row = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+               "located": self.metrics.keys_located.value(master=self.url) - located,
+               "blocks": view.blocks.complete}
+        if write:
+            t = time.perf_counter()
+            assert self.writer.publish(self.url, view)
+            row["redis_write_s"] = time.perf_counter() - t
+        self.out[name] = row
+
+    def churn(self, frac: float) -> None:
+        assert self.server.stdin is not None and self.server.stdout is not None
+        self.server.stdin.write(f"churn {frac}\n")
+        self.server.stdin.flush()
+        assert self.server.stdout.readline().strip() == "ok"
+
+    def timing(self) -> None:
+        poller = self.poller()
+        self.poll(poller, "first")
+        self.poll(poller, "steady")
+        self.poll(poller, "steady2")
+        self.churn(0.01)
+        self.poll(poller, "churn_1pct")
+        self.out["members_written"] = sum(len(self.store.l3_members(ip)) for ip in PODS[:1]) * 8
+
+    def memory(self) -> None:
+        poller = self.poller()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        poller.poll_once()
+        held, peak = tracemalloc.get_traced_memory()
+        self.out["mem_first"] = {"peak_B_per_key": (peak - base) / self.n,
+                                 "held_B_per_key": (held - base) / self.n}
+        tracemalloc.reset_peak()
+        poller.poll_once()
+        held, peak = tracemalloc.get_traced_memory()
+        self.out["mem_steady"] = {"peak_B_per_key": (peak - base) / self.n,
+                                  "held_B_per_key": (held - base) / self.n}
+        tracemalloc.stop()
+        self.out["peak_rss_MB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def naive(self) -> None:
+        """Stateless baseline: whole body, regex per key, locate everything again."""
+        http = httpx.Client(timeout=60)
+        t = time.perf_counter()
+        lines = http.get(self.url + "/get_all_keys").text.splitlines()
+        parsed = {k: p for k in lines if (p := parse_key(k)) is not None}
+        t_parse = time.perf_counter() - t
+        keys = list(parsed)
+        for i in range(0, len(keys), 200):
+            parse_batch_body(http.get(self.url + "/batch_query_keys?keys="
+                                      + ",".join(keys[i:i + 200])).content)
+        self.out["naive_poll"] = {"wall_s": time.perf_counter() - t, "parse_s": t_parse}
+        del lines, parsed, keys
+        tracemalloc.start()
+        body = http.get(self.url + "/get_all_keys").text
+        lines = body.splitlines()
+        parsed = {k: p for k in lines if (p := parse_key(k)) is not None}
+        self.out["naive_mem_B_per_key"] = tracemalloc.get_traced_memory()[1] / self.n
+        tracemalloc.stop()
+        del body, lines
+        sample = list(parsed)[:2000]
+        t = time.perf_counter()
+        for key in sample:
+            http.get(self.url + "/query_key?key=" + key)
+        self.out["query_key_per_key_ms"] = (time.perf_counter() - t) / len(sample) * 1000
+        http.close()
+
+    def close(self) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.close()
+        self.server.wait(30)
+        self.redis.cleanup()
+
+
+def child(n_keys: int) -> None:
+    bench = Bench(n_keys)
+    try:
+        bench.out["rss_before_MB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        bench.timing()
+        bench.memory()
+        bench.naive()
+    finally:
+        bench.close()
+    print(json.dumps(bench.out), flush=True)
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print("| keys | poll | wall s | poller CPU s | keys located | Redis write s (8 inst.) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        for name in ("first", "steady", "steady2", "churn_1pct"):
+            p = r[name]
+            print(f"| {r['keys']:,} | {name} | {p['wall_s']:.2f} | {p['cpu_s']:.2f} | "
+                  f"{int(p['located']):,} | {p['redis_write_s']:.2f} |")
+        n, q = r["keys"], r["query_key_per_key_ms"]
+        print(f"| {n:,} | baseline: naive stateless poll | {r['naive_poll']['wall_s']:.2f} | "
+              f"– | {n:,} | – |")
+        print(f"| {n:,} | baseline: /query_key per key (2,000 sampled, extrapolated) | "
+              f"{q * n / 1000:.0f} | – | {n:,} | – |")
+    print()
+    print("| keys | first poll peak B/key | steady peak B/key | held B/key | peak RSS MB "
+          "(RSS before) | naive parse peak B/key |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['keys']:,} | {r['mem_first']['peak_B_per_key']:.0f} | "
+              f"{r['mem_steady']['peak_B_per_key']:.0f} | "
+              f"{r['mem_steady']['held_B_per_key']:.0f} | "
+              f"{r['peak_rss_MB']:.0f} ({r['rss_before_MB']:.0f}) | "
+              f"{r['naive_mem_B_per_key']:.0f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="100000,1000000")
+    p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+    if args.child:
+        child(args.child)
+        return
+    rows = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        out = subprocess.run([sys.executable, __file__, "--child", str(n)], check=True,
+                             capture_output=True, text=True, env={**os.environ})
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The reconciler alone against real Redis: diff writes, unknown parts, losing the lease."""
+
+from __future__ import annotations
+
+import redis
+
+from common import keys
+from common.metrics import Registry
+from common.store import Instance, Store
+from services.discovery.metrics import DiscoveryMetrics
+from services.discovery.reconcile import Desired, Reconciler
+from tests.conftest import wait_for
+
+
+def _reconciler(client: redis.Redis, holder: str, ttl: float = 5.0) -> Reconciler:
+    return Reconciler(Store(client), holder, ttl, DiscoveryMetrics.register(Registry()))
+
+
+def _inst(ip: str, uid: str = "u1", **kw: object) -> Instance:
+    return Instance(ip=ip, uid=uid, pod="p-" + ip, zmq_endpoint=f"tcp://{ip}:5557", **kw)  # type: ignore[arg-type]
+
+
+def test_diff_writes_only_what_differs_and_unknown_parts_are_left_alone(
+        redis_client: redis.Redis) -> None:
+    rec = _reconciler(redis_client, "a")
+    store = rec.store
+    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
+                     {"http://10.0.1.1:9003": "{}"}))
+    assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"}
+    assert rec.metrics.changes.value(action="added") == 2
+    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
+                     {"http://10.0.1.1:9003": "{}"}))
+    assert rec.metrics.changes.value(action="masters") == 1, "an equal master set is not rewritten"
+    assert rec.metrics.changes.value(action="added") == 2
+
+    rec.sync(Desired(None, None))  # never listed: nothing is removed
+    assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"} and store.list_masters()
+    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1", role="prefill")}, None))
+    assert store.instance_ips() == {"10.0.0.1"}
+    assert store.get_instance("10.0.0.1").role == "prefill"  # type: ignore[union-attr]
+    assert rec.metrics.changes.value(action="updated") == 1
+    assert store.list_masters() == {"http://10.0.1.1:9003": "{}"}
+
+
+def test_a_holder_whose_lease_expired_stops_writing(redis_client: redis.Redis) -> None:
+    a, b = _reconciler(redis_client, "a", ttl=0.3), _reconciler(redis_client, "b", ttl=5.0)
+    a.sync(Desired({"10.0.0.1": _inst("10.0.0.1")}, None))
+    assert a.held and a.store.instance_ips() == {"10.0.0.1"}
+    # `a` stalls past its TTL; `b` takes the lease over.
+    wait_for(lambda: b.hold_lease(), timeout=3, what="b to get the expired lease")
+    assert redis_client.get(keys.lease("discovery")) == b"b"
+    a.sync(Desired({}, None))  # would remove 10.0.0.1 if `a` still wrote
+    assert not a.held and a.store.instance_ips() == {"10.0.0.1"}
+    assert a.metrics.lease_held.value() == 0
+    a.release()
+    assert redis_client.get(keys.lease("discovery")) == b"b", "release never drops another's lease"
