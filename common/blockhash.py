@@ -50,6 +50,7 @@ _TAGGED_KEYS_SINCE = (0, 31, 0)
 _LORA_NAME_SINCE = (0, 12, 0)
 _FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
+_CHUNK_TOKENS = 2048  # ids encoded at a time by the CBOR loop (measured: 1k-4k are best)
 _EVENT_INT = struct.Struct(">24xQ")  # the last 8 bytes of a 32-byte digest
 _VERSION_RE = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
@@ -61,7 +62,7 @@ ExtraKeys = tuple[object, ...] | None
 def parse_vllm_version(text: str) -> tuple[int, int, int]:
     """Parse "0.28.0" (also "0.28", "v0.28.0", "0.28.0rc1", "0.28.0+cu128"); pre-release
     and local suffixes are ignored. Raises ConfigError on anything else."""
-    match = _VERSION_RE.fullmatch(text.strip())
+    match = _VERSION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None:
         raise ConfigError(f"vLLM version {text!r} is not of the form X.Y.Z")
     major, minor, patch = match.group(1, 2, 3)
@@ -201,9 +202,8 @@ class BlockHasher:
         if self.settings.algo == "sha256":
             ids = cbor.plain_ids(token_ids, self._token_limit)
             return self._pickle_chain(ids, full, block_size, first, rest, keep)
-        encoded = cbor.encode_ids(token_ids, self._token_limit)
         tails = cbor.encode(first), cbor.encode(rest)
-        return self._cbor_chain(encoded, full, block_size, *tails, keep)
+        return self._cbor_chain(token_ids, full, block_size, *tails, keep)
 
     def _extra_keys(
         self, cache_salt: str | None, lora_name: str | None, lora_path: str | None
@@ -236,27 +236,32 @@ class BlockHasher:
 
     def _cbor_chain(
         self,
-        encoded: Sequence[bytes],
+        token_ids: Sequence[int],
         full: int,
         block_size: int,
         first_tail: bytes,
         tail: bytes,
         keep: bool,
     ) -> tuple[list[bytes], list[bytes]]:
-        """The hot loop: two joins and one sha256 per block."""
-        sha256, join = hashlib.sha256, b"".join
+        """The hot loop: per block, two joins of pre-encoded bytes and one sha256."""
+        sha256, join, limit = hashlib.sha256, b"".join, self._token_limit
         head, array_head = cbor.PREIMAGE_HEAD, cbor.head(4, block_size)
-        parent = self._none_hash
+        parent, block_tail = self._none_hash, first_tail
         digests: list[bytes] = []
         preimages: list[bytes] = []
         append = digests.append
-        for start in range(0, full, block_size):
-            body = join(encoded[start : start + block_size])
-            preimage = join((head, parent, array_head, body, tail if start else first_tail))
-            parent = sha256(preimage).digest()
-            append(parent)
-            if keep:
-                preimages.append(preimage)
+        cbor.plain_ids(token_ids[full:], limit)  # the partial block is not hashed, but checked
+        step = max(block_size, _CHUNK_TOKENS - _CHUNK_TOKENS % block_size)
+        for chunk in range(0, full, step):
+            # A chunk at a time: its encodings are still in the CPU cache when joined.
+            encoded = cbor.encode_ids(token_ids[chunk : min(chunk + step, full)], limit)
+            for start in range(0, len(encoded), block_size):
+                body = join(encoded[start : start + block_size])
+                preimage = join((head, parent, array_head, body, block_tail))
+                parent, block_tail = sha256(preimage).digest(), tail
+                append(parent)
+                if keep:
+                    preimages.append(preimage)
         return digests, preimages
 
     def _pickle_chain(

@@ -48,7 +48,7 @@ def encode(obj: object) -> bytes:
 
 @functools.cache
 def _token_table() -> list[bytes]:
-    """CBOR unsigned-int encodings of ids 0..TABLE_SIZE-1 (~20 ms and ~15 MB, once)."""
+    """CBOR unsigned-int encodings of ids 0..TABLE_SIZE-1 (~20 ms and ~16 MB, once)."""
     pack2, pack4 = struct.Struct(">BH").pack, struct.Struct(">BI").pack
     return (
         [bytes((i,)) for i in range(24)]

@@ -4,10 +4,11 @@ Run it with the python of a throwaway venv that can import vLLM's hashing module
 scripts/setup_vllm_bench_venv.sh); with PYTHONPATH pointing at an unpacked wheel's source
 tree the same venv serves other releases::
 
-    PYTHONPATH=/tmp/vw/src-0.34.0 /tmp/vllm-venv/bin/python scripts/make_vllm_hash_vectors.py
+    PYTHONPATH=/tmp/vw/src-0.34.0 /tmp/vllm-venv/bin/python \
+        scripts/make_vllm_hash_vectors.py tests/data/vllm_hash_vectors.json
 
-It prints one JSON object for the imported release; the test data file holds one per release.
-Never imported by the project.
+It adds (or replaces) the imported release's cases in the given JSON file, or prints them
+when no file is given. Never imported by the project.
 """
 
 from __future__ import annotations
@@ -66,11 +67,32 @@ def _case(name: str, seed: str | None, algo: str, block_size: int, salt: str | N
     }  # fmt: skip
 
 
-def main() -> int:
+ABOUT = (
+    "Block hashes computed by vLLM's own code (get_request_block_hasher on a real Request, "
+    "init_none_hash) from the PyPI wheels, with no engine, by scripts/make_vllm_hash_vectors.py "
+    "(see docs/benchmarks.md). Complements vllm_golden.json with 0.31/0.34 (tagged extra keys, "
+    "default seed). A case with deterministic=false had a random NONE_HASH in that release."
+)
+
+
+def main(argv: list[str]) -> int:
     cases = [_case(*case) for case in CASES]
-    print(json.dumps({"vllm_version": vllm_version, "cases": cases}, ensure_ascii=False))
+    if not argv:
+        print(json.dumps({vllm_version: cases}, ensure_ascii=False))
+        return 0
+    path = argv[0]
+    data = {"about": ABOUT, "versions": {}}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    data["versions"][vllm_version] = cases
+    data["versions"] = dict(sorted(data["versions"].items()))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    print(f"{path}: vLLM {vllm_version}, {len(cases)} cases")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

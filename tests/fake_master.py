@@ -47,7 +47,7 @@ class FakeMaster:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> FakeMaster:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

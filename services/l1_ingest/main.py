@@ -20,7 +20,7 @@ import uuid
 import redis
 
 from common import logs
-from common.config import config_path_from, load_config
+from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
 from common.lifecycle import Backoff, install_signal_handlers
 from common.metrics import serve
@@ -40,14 +40,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _load(args: argparse.Namespace) -> tuple[Config, bool, int, int]:
+    """The config, whether sharding is static, and this process's shard i of N."""
+    cfg = load_config(config_path_from(args.config))
+    static = args.shards is not None or cfg.ingest.l1.shard_mode == "static"
+    shard, shards = args.shard or 0, args.shards or 1
+    if not 0 <= shard < shards:
+        raise ConfigError(f"--shard {shard} is not in [0, --shards {shards})")
+    return cfg, static, shard, shards
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     try:
-        cfg = load_config(config_path_from(args.config))
-        static = args.shards is not None or cfg.ingest.l1.shard_mode == "static"
-        shard, shards = args.shard or 0, args.shards or 1
-        if not 0 <= shard < shards:
-            raise ConfigError(f"--shard {shard} is not in [0, --shards {shards})")
+        cfg, static, shard, shards = _load(args)
     except ConfigError as exc:
         print(f"cache-indexer l1-ingest: {exc}", file=sys.stderr)
         return 2

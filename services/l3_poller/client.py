@@ -138,8 +138,9 @@ class MasterClient:
         except httpx.HTTPError as exc:
             raise MasterError(f"{path.split('?')[0]}: {exc!r}", "down") from exc
 
-    def iter_keys(self, deadline: float) -> Iterator[bytes]:
-        """Stream ``/get_all_keys`` line by line; raises if the body is cut or not key text."""
+    def iter_keys(self, deadline: float) -> Iterator[list[bytes]]:
+        """Stream ``/get_all_keys`` as lists of lines (one per 64 KiB read); raises if the
+        body is cut or is not key text. Never holds the whole body."""
         try:
             with self._http.stream("GET", self.base_url + "/get_all_keys") as resp:
                 _check(resp, "get_all_keys", "text/plain")
@@ -151,7 +152,7 @@ class MasterClient:
                         raise MasterError("get_all_keys: body too slow", "timeout")
                     lines = (carry + chunk).split(b"\n")
                     carry = lines.pop()
-                    yield from lines
+                    yield lines
                 if carry:
                     raise MasterError("get_all_keys: last line not terminated", "truncated")
         except httpx.TimeoutException as exc:

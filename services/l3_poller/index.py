@@ -28,16 +28,17 @@ import ipaddress
 import time
 from array import array
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.l3_poller.client import Replicas
 from services.l3_poller.keys_parser import (
+    HASH_HEX,
     U64_MASK,
     Namespace,
     host_of,
     is_url_safe,
     parse_prefix,
-    split_key,
 )
 
 UNLOCATED = 0
@@ -134,31 +135,37 @@ class MasterIndex:
         self._loc_ok = [ok for _, ok in resolved]
         self._loc_ok[UNLOCATED] = False
 
-    def feed(self, line: bytes) -> int:
-        """Account one ``/get_all_keys`` line; returns the key's id when it must be located
-        (pass it to :meth:`located`), else -1."""
-        stats = self.stats
-        stats.seen += 1
-        split = split_key(line)
-        ns = -1
-        if split is not None:
-            cached = self._prefix_ns.get(split[0])
-            ns = self._intern_prefix(split[0]) if cached is None else cached
-        if split is None or ns < 0:
-            stats.skipped["unparsed"] += 1
-            return -1
-        stats.parsed += 1
-        ck = (ns << 64) | split[1]
-        self._cur_ns.add(ns)
-        loc = self.keys.get(ck, UNLOCATED)
-        self._cur[ck] = loc
-        if not self.locate or self._loc_ok[loc]:
-            return -1
-        if not is_url_safe(line):
-            stats.skipped["unquotable"] += 1
-            return -1
-        stats.to_locate += 1
-        return ck
+    def feed(self, lines: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        """Account ``/get_all_keys`` lines; returns (key, id) of the keys that must be
+        located (pass the id to :meth:`located`). The per-line work is inlined: it runs
+        once per key per poll."""
+        stats, cur, known, loc_ok = self.stats, self._cur, self.keys, self._loc_ok
+        prefixes, hex_match, add_ns = self._prefix_ns, HASH_HEX.fullmatch, self._cur_ns.add
+        out: list[tuple[bytes, int]] = []
+        n = unparsed = 0
+        for line in lines:
+            n += 1
+            prefix, _, tail = line.rpartition(b"@")
+            ns = prefixes.get(prefix) if hex_match(tail) else -1
+            if ns is None:
+                ns = self._intern_prefix(prefix)
+            if ns < 0:
+                unparsed += 1
+                continue
+            ck = (ns << 64) | int(tail[-16:], 16)
+            add_ns(ns)
+            loc = cur[ck] = known.get(ck, UNLOCATED)
+            if not loc_ok[loc] and self.locate:
+                out.append((line, ck))
+        stats.seen += n
+        stats.parsed += n - unparsed
+        stats.skipped["unparsed"] += unparsed
+        unsafe = [item for item in out if not is_url_safe(item[0])]
+        if unsafe:
+            stats.skipped["unquotable"] += len(unsafe)
+            out = [item for item in out if is_url_safe(item[0])]
+        stats.to_locate += len(out)
+        return out
 
     def located(self, ck: int, replicas: Replicas | None) -> None:
         """Record a key's replicas; ``None`` = the key vanished since it was listed."""
@@ -197,14 +204,17 @@ class MasterIndex:
         single, complete, n = self._completeness()
         head_of = self._head_of
         if scope == "pool":
-            pool = {ck & U64_MASK for ck in self.keys
-                    if head_of[ck >> 64] in single or _hk(head_of, ck) in complete}
+            pool = {ck & U64_MASK for ck in self.keys if head_of[ck >> 64] in single
+                    or (head_of[ck >> 64] << 64 | ck & U64_MASK) in complete}
             return Blocks({}, array("Q", pool), n)
         per_ip: dict[str, set[int]] = {}
         loc_ips = self._loc_ips
         for ck, loc in self.keys.items():
             ips = loc_ips[loc]
-            if not ips or not (head_of[ck >> 64] in single or _hk(head_of, ck) in complete):
+            if not ips:
+                continue
+            head = head_of[ck >> 64]
+            if head not in single and (head << 64 | ck & U64_MASK) not in complete:
                 continue
             for ip in ips:
                 per_ip.setdefault(ip, set()).add(ck & U64_MASK)
@@ -222,7 +232,7 @@ class MasterIndex:
             if head_of[ck >> 64] in single:
                 n_single += 1
                 continue
-            hk = _hk(head_of, ck)
+            hk = head_of[ck >> 64] << 64 | ck & U64_MASK
             counts[hk] = counts.get(hk, 0) + 1
         for hk in [hk for hk, n in counts.items() if n != need[hk >> 64]]:
             del counts[hk]
@@ -259,6 +269,3 @@ class MasterIndex:
         for ck, loc in self.keys.items():
             self.keys[ck] = new_id[loc]
 
-
-def _hk(head_of: list[int], ck: int) -> int:
-    return (head_of[ck >> 64] << 64) | (ck & U64_MASK)

@@ -26,7 +26,8 @@ U64_MASK = (1 << 64) - 1
 _RANKS = r"@tp_rank:(\d+)@pcp(\d+)@dcp(\d+)@pp_rank:(\d+)(?:@group:(\d+))?"
 _PREFIX = re.compile(r"(?P<head>.+?)" + _RANKS)
 _KEY = re.compile(r"(?P<head>.+?)" + _RANKS + r"@(?P<hex>[0-9a-f]{16,64})")
-_HEX = re.compile(rb"[0-9a-f]{16,64}")
+HASH_HEX = re.compile(rb"[0-9a-f]{16,64}")
+"""A block hash as ``BlockHash.hex()`` writes it (64 digits for sha256; ≥ 16 for a u64)."""
 _URL_SAFE = re.compile(rb"[A-Za-z0-9._~@:/=-]+")
 """Key bytes that go into a query string unencoded through httpx and every master version
 (no ``%`` or ``+``: 0.3.12+ URL-decodes ``batch_query_keys``; no ``,``: its separator)."""
@@ -84,7 +85,7 @@ def parse_prefix(prefix: str) -> Namespace | None:
 def split_key(key: bytes) -> tuple[bytes, int] | None:
     """``b"<prefix>@<hex>"`` → (prefix, u64 hash), or ``None`` when the tail is not a hash."""
     prefix, sep, tail = key.rpartition(b"@")
-    if not sep or not prefix or _HEX.fullmatch(tail) is None:
+    if not sep or not prefix or HASH_HEX.fullmatch(tail) is None:
         return None
     return prefix, int(tail[-16:], 16)
 

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 ClientFactory = Callable[[str], MasterClient]
 
 
+class _Stopped(Exception):
+    """The poller was asked to stop in the middle of a poll."""
+
+
 @dataclass
 class _Pending:
     """Keys to locate, kept as joined batches (≈ key bytes + 8 per key), not one str each."""
@@ -97,6 +101,8 @@ class MasterPoller:
     def _poll_safely(self) -> bool:
         try:
             view = self.poll_once()
+        except _Stopped:
+            return False
         except MasterError as exc:
             self.metrics.errors.inc(master=self.url, reason=exc.reason)
             self._log.set(f"failing ({exc.reason})", str(exc), logging.WARNING)
@@ -108,7 +114,7 @@ class MasterPoller:
         self.view = view
         self._log.set("polling", f"{view.blocks.complete} blocks")
         self.metrics.master_stale.set(0, master=self.url)
-        self.writer.publish(self.url, view)
+        self.writer.publish(self.url, view, owner=self)
         return True
 
     def _drop(self) -> None:
@@ -116,7 +122,7 @@ class MasterPoller:
         self.view = view.dropped()
         self._log.set("stale: state dropped", f"after {self.cfg.stale_after:g}s", logging.ERROR)
         self.metrics.master_stale.set(1, master=self.url)
-        self.writer.publish(self.url, self.view)
+        self.writer.publish(self.url, self.view, owner=self)
 
     def poll_once(self) -> MasterView:
         """One poll; raises :class:`MasterError` and leaves the index unchanged on failure."""
@@ -126,10 +132,11 @@ class MasterPoller:
         try:
             pending = _Pending(self.cfg.batch_size, [], [], [])
             deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
-            for line in self.client.iter_keys(deadline):
-                key_id = self.index.feed(line)
-                if key_id >= 0:
-                    pending.add(line, key_id)
+            for lines in self.client.iter_keys(deadline):
+                for key, key_id in self.index.feed(lines):
+                    pending.add(key, key_id)
+                if self.stop.is_set():
+                    raise _Stopped
             pending.flush()
             self._locate(pending.batches)
             if self.index.unresolved:  # a segment mounted after we listed them
@@ -154,6 +161,8 @@ class MasterPoller:
 
     def _locate(self, batches: list[tuple[bytes, list[int]]]) -> None:
         for blob, ids in batches:
+            if self.stop.is_set():
+                raise _Stopped
             keys = blob.split(b",")
             found: dict[str, tuple[str, ...] | None] | None = None
             if self.has_batch:
@@ -205,6 +214,7 @@ class L3Poller:
         for url in sorted(masters - self.pollers.keys()):
             poller = MasterPoller(url, self.cfg, self._factory(url), self.writer, self.metrics,
                                   threading.Event())
+            self.writer.enroll(url, poller)
             thread = threading.Thread(target=poller.run, name=f"l3 {url}", daemon=True)
             self.pollers[url] = (poller, thread)
             thread.start()
@@ -219,6 +229,6 @@ class L3Poller:
     def _stop_master(self, url: str, publish: bool) -> None:
         poller, thread = self.pollers.pop(url)
         poller.stop.set()
-        thread.join(timeout=self.cfg.http_timeout * 2 + 1)
         if publish:
-            self.writer.publish(url, None)
+            self.writer.retire(url)
+        thread.join(timeout=self.cfg.http_timeout * 2 + 1)

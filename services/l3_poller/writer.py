@@ -52,15 +52,28 @@ class L3Writer:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._views: dict[str, MasterView] = {}
+        self._owners: dict[str, object] = {}
         self._state = StateLog(logger, "l3 writer")
 
-    def publish(self, master: str, view: MasterView | None) -> bool:
-        """Record a master's new view (``None``: master removed) and rewrite all instances."""
+    def enroll(self, master: str, owner: object) -> None:
+        """Accept publications for ``master`` from ``owner`` (its current poll thread) only."""
         with self._lock:
-            if view is None:
-                self._views.pop(master, None)
-            else:
-                self._views[master] = view
+            self._owners[master] = owner
+
+    def publish(self, master: str, view: MasterView, owner: object) -> bool:
+        """Record a master's new view and rewrite all instances; ignored (False) when
+        ``owner`` no longer polls this master (it was removed while a poll was running)."""
+        with self._lock:
+            if self._owners.get(master) is not owner:
+                return False
+            self._views[master] = view
+            return self._write_all()
+
+    def retire(self, master: str) -> bool:
+        """The master left the registry: forget its blocks and rewrite all instances."""
+        with self._lock:
+            self._owners.pop(master, None)
+            self._views.pop(master, None)
             return self._write_all()
 
     def _write_all(self) -> bool:

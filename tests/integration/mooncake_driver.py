@@ -17,6 +17,7 @@ A ``client`` reads JSON commands on stdin (put/remove) and answers one JSON line
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -30,12 +31,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-import redis  # noqa: E402
+import httpx
+import redis
 
-from common.blockhash import BlockHasher, HashSettings  # noqa: E402
-from common.store import Instance, Store  # noqa: E402
-from tests.conftest import RedisServer, free_port, wait_for  # noqa: E402
+from common.blockhash import BlockHasher, HashSettings
+from common.store import Instance, Store
+from tests.conftest import RedisServer, free_port, wait_for
 
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 BLOCK = 16
@@ -154,9 +155,12 @@ class Scenario:
         """Wait until the poller has finished ``polls`` polls that started after now."""
         mark = int(time.time() * 1000)
         for _ in range(polls):
-            wait_for(lambda: int(self.store.l3_state(A).get("updated_ms", 0)) > mark,
-                     timeout=15, what="a poll")
-            mark = int(self.store.l3_state(A)["updated_ms"])
+            mark = wait_for(functools.partial(self._polled_after, mark), timeout=15,
+                            what="a poll")
+
+    def _polled_after(self, mark: int) -> int:
+        updated = int(self.store.l3_state(A).get("updated_ms", 0))
+        return updated if updated > mark else 0
 
     def ratios(self, tokens: list[int]) -> dict[str, float]:
         """The hit-rate API's L3 read: longest run from block 0, over the block count."""

@@ -181,6 +181,10 @@ def test_end_to_end_prefix_lengths_match_the_simulator(
     assert "ci_l1_connected_sockets 2" in text
     assert 'ci_l1_events_total{type="BlockStored",outcome="l2"}' in text
     assert 'ci_l1_gaps_total{outcome="recovered"}' in text
+    # Warm shutdown: exit 0 and hand the lease back at once (no waiting for its TTL).
+    procs[0].send_signal(signal.SIGTERM)
+    assert procs[0].wait(10) == 0
+    assert store.claim_instance(ip, "next-ingester", 1000)
 
 
 def test_simulate_vllm_cli_state_file_matches_the_index(

@@ -141,7 +141,7 @@ def test_empty_seed_is_the_empty_string() -> None:
     assert BlockHasher(settings).digests(tokens, 16) == reference_digests(settings, tokens, 16)
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256, 24, 3000])
 def test_long_prompt_matches_cbor2_reference(block_size: int) -> None:
     rng = random.Random(block_size)
     tokens = [rng.randrange(151_936) for _ in range(131_072 + 7)]
@@ -283,6 +283,14 @@ def test_bad_token_ids_raise_value_error(tokens: list[Any], algo: str) -> None:
         BlockHasher(HashSettings(algo=algo)).digests(tokens, 16)
 
 
+@pytest.mark.parametrize("where", [0, 5000, 9999, 10_005])
+def test_bad_id_anywhere_in_a_long_prompt(where: int) -> None:
+    tokens = list(range(10_010))  # 1,000 blocks of 10 and a partial block of 10
+    tokens[where] = -1
+    with pytest.raises(ValueError, match="token id -1"):
+        BlockHasher(HashSettings()).member_keys(tokens, 10)
+
+
 def test_int32_token_limit_from_034() -> None:
     tokens = list(range(15)) + [2**31]
     assert len(BlockHasher(HashSettings(vllm_version=(0, 33, 0))).digests(tokens, 16)) == 1
@@ -340,6 +348,7 @@ def test_parse_vllm_version(text: str, expected: tuple[int, int, int]) -> None:
         ("sha256_cbor", "0", "abc"),
         ("sha256_cbor", "0", "0.28.x"),
         ("sha256_cbor", 0, "0.28.0"),
+        ("sha256_cbor", "0", None),
         ("", "0", "0.28.0"),
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tracemalloc
+from collections.abc import Mapping
 
 from common.blockhash import BlockHasher, HashSettings
 from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
@@ -24,16 +25,14 @@ def sets(blocks: Blocks) -> dict[str, set[int]]:
     return {ip: set(hashes) for ip, hashes in blocks.per_ip.items()}
 
 
-def poll(index: MasterIndex, where: dict[bytes, tuple[str, ...]],
+def poll(index: MasterIndex, where: Mapping[bytes, tuple[str, ...]],
          segs: SegmentMap = SEGS, extra: tuple[bytes, ...] = (), now: float = 0.0) -> list[bytes]:
     """One poll over ``where`` (key → endpoints) plus unparsable lines; returns keys located."""
     index.begin(segs)
     asked = []
-    for line in [*where, *extra]:
-        ck = index.feed(line)
-        if ck >= 0:
-            asked.append(line)
-            index.located(ck, where[line])
+    for line, ck in index.feed([*where, *extra]):
+        asked.append(line)
+        index.located(ck, where[line])
     index.commit(now)
     return asked
 
@@ -116,7 +115,7 @@ def test_vanished_keys_are_gone_after_the_next_poll() -> None:
     index = MasterIndex()
     poll(index, {key(0): (A,), key(1): (A,)})
     index.begin(SEGS)
-    ck = index.feed(key(2))
+    [(_, ck)] = index.feed([key(2)])
     index.located(ck, None)  # listed, then gone before it was located
     index.commit()
     assert sets(index.blocks("segment")) == {}
@@ -127,7 +126,7 @@ def test_abort_keeps_the_previous_poll() -> None:
     index = MasterIndex()
     poll(index, {key(0): (A,)})
     index.begin(SEGS)
-    index.feed(key(1))
+    index.feed([key(1)])
     index.abort()
     assert sets(index.blocks("segment")) == {"10.0.0.1": {INTS[0]}}
 
@@ -135,7 +134,7 @@ def test_abort_keeps_the_previous_poll() -> None:
 def test_unknown_endpoint_is_flagged_for_a_segment_refresh() -> None:
     index = MasterIndex()
     index.begin(SEGS)
-    ck = index.feed(key(0))
+    [(_, ck)] = index.feed([key(0)])
     index.located(ck, ("10.0.0.3:15000",))
     assert index.unresolved
     index.remap(SegmentMap([*SEGS.names, "10.0.0.3:12300"], None))
@@ -158,8 +157,7 @@ def test_memory_per_key_is_small() -> None:
     tracemalloc.start()
     try:
         index.begin(SEGS)
-        for i, line in enumerate(lines):
-            ck = index.feed(line)
+        for i, (_, ck) in enumerate(index.feed(lines)):
             index.located(ck, (A,) if i % 3 else (B,))
         index.commit()
         held, _ = tracemalloc.get_traced_memory()
@@ -167,3 +165,23 @@ def test_memory_per_key_is_small() -> None:
         tracemalloc.stop()
     assert held / n < 150, f"{held / n:.0f} bytes per key"
     assert index.blocks("segment").complete == n // 2
+
+
+def test_location_table_is_compacted_when_endpoints_churn() -> None:
+    """Pods come and go with new ports: unused interned locations are dropped."""
+    index = MasterIndex()
+    lines = [f"M@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{i:064x}".encode() for i in range(1100)]
+    many = SegmentMap([f"10.0.1.{i % 250}:{12300 + i}" for i in range(1100)], None)
+    index.begin(many)
+    for i, (_, ck) in enumerate(index.feed(lines)):
+        index.located(ck, (f"10.0.1.{i % 250}:{15000 + i}",))
+    index.commit()
+    assert len(index._locs) == 1102
+    index.begin(SEGS)
+    for i, (_, ck) in enumerate(index.feed(lines[:10])):
+        index.located(ck, (A,) if i % 2 else (B,))
+    index.commit()
+    assert len(index._locs) == 4  # UNLOCATED, (), A, B
+    assert sets(index.blocks("segment")) == {
+        "10.0.0.1": {i for i in range(10) if i % 2}, "10.0.0.2": {i for i in range(10) if not i % 2}}
+    assert poll(index, {line: (A,) for line in lines[:10]}) == []  # ids survived compaction
