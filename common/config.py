@@ -286,7 +286,8 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     for dotted, allowed in _CHOICES.items():
         obj: Any = cfg
         for part in dotted.split("."):
-            obj = getattr(obj, next(f.name for f in dataclasses.fields(obj) if _yaml_name(f) == part))
+            by_yaml = {_yaml_name(f): f.name for f in dataclasses.fields(obj)}
+            obj = getattr(obj, by_yaml[part])
         if obj not in allowed:
             problems.append(f"{dotted}: {obj!r} is not one of {sorted(allowed)}")
     for dotted, value in (
@@ -304,7 +305,9 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         problems.append("ingest.l3.pollInterval: must be > 0")
 
 
-def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None
+) -> Config:
     """Load and validate the config file (``None`` = defaults only), then apply env overrides."""
     env = dict(os.environ) if env is None else env
     raw: Any = {}

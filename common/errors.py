@@ -4,9 +4,9 @@
      ├── ConfigError        a bad config file or flag: the process exits with status 2
      ├── DecodeError        a malformed message (KV-event payload, Mooncake body): drop it, count it
      │    └── NotABatchError  a ZMQ payload that is not an EventBatch at all
-     ├── UpstreamError      Redis, a vLLM socket, a master or the Kubernetes API failed: back off, retry
+     ├── UpstreamError      Redis, a vLLM socket, a master or Kubernetes failed: back off, retry
      │    └── FencedError   a write was refused because this writer lost its lease or generation
-     └── RequestError       a bad hit-rate request: answered with an HTTP status, never raised past it
+     └── RequestError       a bad hit-rate request: answered with its HTTP status
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class Store:
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(keys.MASTERS)
         if masters:
-            pipe.hset(keys.MASTERS, mapping=masters)
+            pipe.hset(keys.MASTERS, mapping=dict(masters))  # type: ignore[arg-type]
         pipe.execute()
 
     def list_masters(self) -> dict[str, str]:
@@ -207,7 +207,8 @@ class Store:
             "1" if reset else "0", "1" if gap else "0", *ops.argv(),
         ]
         status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
-        return ApplyResult(_STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared))
+        return ApplyResult(
+            _STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared))
 
     def last_seq(self, ip: str, rank: int) -> int | None:
         value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")
@@ -224,7 +225,9 @@ class Store:
 
     # -- L3 ---------------------------------------------------------------------------
 
-    def replace_l3(self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None) -> bool:
+    def replace_l3(
+        self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None
+    ) -> bool:
         """Atomically replace the instance's L3 set; False if the instance is not registered."""
         staging = keys.l3_staging(ip)
         pipe = self.r.pipeline(transaction=False)
@@ -260,9 +263,10 @@ class Store:
             return [(0, 0)] * len(ips)
         distinct = list(dict.fromkeys(ips))
         pipe = self.r.pipeline(transaction=False)
+        wanted = list(members)
         for ip in distinct:
-            pipe.smismember(keys.tier_set(ip, "l1"), members)
-            pipe.smismember(keys.l3_set(ip), members)
+            pipe.smismember(keys.tier_set(ip, "l1"), wanted)
+            pipe.smismember(keys.l3_set(ip), wanted)
         replies = pipe.execute()
         by_ip = {
             ip: (_run_length(replies[2 * i]), _run_length(replies[2 * i + 1]))

@@ -9,7 +9,8 @@ snapshot there as ``worker-<pid>.json`` — at least once a second and on every 
 A dead worker's counts must not vanish (a Prometheus counter must not go down), so the
 master folds its last file into ``retired.json`` in ``child_exit`` (:func:`retire_worker`).
 While it folds, ``retired.json`` names the pid being retired and readers skip that pid's file,
-so a scrape racing the fold never counts a worker twice. Files are replaced atomically (write + rename).
+so a scrape racing the fold never counts a worker twice. Files are replaced atomically
+(write + rename).
 """
 
 from __future__ import annotations

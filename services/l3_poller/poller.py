@@ -19,7 +19,9 @@ import logging
 import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
@@ -27,7 +29,13 @@ import redis
 from common.config import IngestL3
 from common.lifecycle import Backoff, StateLog
 from common.store import Store
-from services.l3_poller.client import MAX_URL_BYTES, MasterClient, MasterError, NoBatchEndpoint
+from services.l3_poller.client import (
+    MAX_URL_BYTES,
+    MasterClient,
+    MasterError,
+    NoBatchEndpoint,
+    Replicas,
+)
 from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.writer import L3Writer, MasterView
@@ -35,6 +43,8 @@ from services.l3_poller.writer import L3Writer, MasterView
 logger = logging.getLogger(__name__)
 
 ClientFactory = Callable[[str], MasterClient]
+_IN_FLIGHT = 2
+"""Locate requests in flight per master: one answered while the next is being served."""
 
 
 class _Stopped(Exception):
@@ -160,26 +170,42 @@ class MasterPoller:
         return SegmentMap(self.client.segments(), self.client.segments_detail())
 
     def _locate(self, batches: list[tuple[bytes, list[int]]]) -> None:
-        for blob, ids in batches:
-            if self.stop.is_set():
-                raise _Stopped
-            keys = blob.split(b",")
-            found: dict[str, tuple[str, ...] | None] | None = None
-            if self.has_batch:
-                try:
-                    found = self.client.batch_query(keys)
-                    self.metrics.locate_calls.inc(master=self.url, endpoint="batch_query_keys")
-                except NoBatchEndpoint:
+        """Query the batches with one request in flight while the previous answer is
+        applied (the wait for the master overlaps with our parsing)."""
+        inflight: deque[tuple[Future[dict[str, Replicas | None]], list[bytes], list[int]]]
+        inflight = deque()
+        with ThreadPoolExecutor(max_workers=_IN_FLIGHT, thread_name_prefix="l3-locate") as ex:
+            for blob, ids in batches:
+                if self.stop.is_set():
+                    raise _Stopped
+                keys = blob.split(b",")
+                inflight.append((ex.submit(self._query, keys), keys, ids))
+                if len(inflight) >= _IN_FLIGHT:
+                    self._apply(*inflight.popleft())
+            while inflight:
+                self._apply(*inflight.popleft())
+
+    def _query(self, keys: list[bytes]) -> dict[str, Replicas | None]:
+        if self.has_batch:
+            try:
+                found = self.client.batch_query(keys)
+                self.metrics.locate_calls.inc(master=self.url, endpoint="batch_query_keys")
+                return found
+            except NoBatchEndpoint:
+                if self.has_batch:
                     logger.info("master %s has no /batch_query_keys: using /query_key", self.url)
-                    self.has_batch = False
-            if found is None:
-                found = {k.decode(): self.client.query_key(k) for k in keys}
-                self.metrics.locate_calls.inc(len(keys), master=self.url, endpoint="query_key")
-            self.metrics.keys_located.inc(len(keys), master=self.url)
-            for key, key_id in zip(keys, ids):
-                text = key.decode()
-                if text in found:
-                    self.index.located(key_id, found[text])
+                self.has_batch = False
+        self.metrics.locate_calls.inc(len(keys), master=self.url, endpoint="query_key")
+        return {k.decode(): self.client.query_key(k) for k in keys}
+
+    def _apply(self, future: Future[dict[str, Replicas | None]], keys: list[bytes],
+               ids: list[int]) -> None:
+        found = future.result()
+        self.metrics.keys_located.inc(len(keys), master=self.url)
+        for key, key_id in zip(keys, ids):
+            text = key.decode()
+            if text in found:
+                self.index.located(key_id, found[text])
 
 
 class L3Poller:

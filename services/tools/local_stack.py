@@ -68,7 +68,7 @@ class Processes:
         return [name for name, p in self.procs if p.poll() is not None]
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        for name, proc in reversed(self.procs):
+        for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -179,7 +179,7 @@ def _wait_http(url: str, timeout: float, stop: threading.Event) -> httpx.Respons
     raise RuntimeError(f"{url} did not answer 200 within {timeout:.0f}s")
 
 
-def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[Path, list[int]]:
+def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[list[int], bool]:
     redis_port, master_port = args.redis_port, args.master_port
     example, puts = _example(workdir)
     procs.spawn("redis", [shutil.which("redis-server") or "redis-server", "--port",
@@ -199,12 +199,14 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[P
     procs.spawn("discovery", _cli("discovery"), env=env)
     procs.spawn("l1-ingest", _cli("l1-ingest"), env=env)
     procs.spawn("api", _cli("api"), env=env)
-    if not _start_l3_side(procs, workdir, config, master_port, puts):
+    with_l3 = _start_l3_side(procs, workdir, config, master_port, puts)
+    if not with_l3:
         _write_config(workdir, redis_port, args.port, master_port, False)
-    return config, example
+    return example, with_l3
 
 
-def _show_example(port: int, example: list[int], workdir: Path, stop: threading.Event) -> Any:
+def _show_example(port: int, example: list[int], with_l3: bool, workdir: Path,
+                  stop: threading.Event) -> Any:
     request = {"server_ip": [ip for _, ip, _, _ in PODS],
                "body": {"token_ids": example, "cache_salt": "", "block_size": BLOCK_SIZE}}
     path = workdir / "example-request.json"
@@ -216,7 +218,8 @@ def _show_example(port: int, example: list[int], workdir: Path, stop: threading.
     while time.monotonic() < deadline and not stop.is_set():  # until L1 and L3 are filled
         answer = httpx.post(url, json=request, timeout=5).json()
         scores = answer.get("server_score_list", [])
-        if scores and scores[0]["l1_hit_ratio"] > 0 and (len(scores) < 2 or scores[1]["l3_hit_ratio"] > 0):
+        if scores and scores[0]["l1_hit_ratio"] > 0 and (
+                not with_l3 or scores[-1]["l3_hit_ratio"] > 0):
             break
         stop.wait(0.5)
     print(f"\nexample request: {path}\n  curl -s -X POST {url} -H 'Content-Type: "
@@ -225,7 +228,8 @@ def _show_example(port: int, example: list[int], workdir: Path, stop: threading.
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="cache-indexer local-stack", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="cache-indexer local-stack",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default=".local-stack")
     p.add_argument("--port", type=int, default=28080, help="API port on 127.0.0.1")
     p.add_argument("--redis-port", type=int, default=26379)
@@ -242,8 +246,8 @@ def main(argv: list[str]) -> int:
         return _run_l3_side(workdir, args.master_port, stop)
     procs = Processes(workdir)
     try:
-        _, example = _start(procs, args, workdir)
-        _show_example(args.port, example, workdir, stop)
+        example, with_l3 = _start(procs, args, workdir)
+        _show_example(args.port, example, with_l3, workdir, stop)
         started = time.monotonic()
         while not stop.wait(1.0):
             if procs.dead():
