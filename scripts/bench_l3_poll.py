@@ -14,7 +14,14 @@ placed at random). Then, with ``ingest.l3`` defaults (scope segment, batchSize 2
   key, a dict of key strings, and every key located again on every poll (a stateless
   poller); and ``/query_key`` one key at a time for a 2,000-key sample, extrapolated to N.
 
-Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]``. Prints Markdown.
+With ``--real-master`` the same first/steady polls run against a real ``mooncake_master``
+(PyPI 0.3.13.post1) holding N keys put by two store clients (``put_batch``, 16-byte values,
+random placement over their two segments); store clients listen on all interfaces, so run
+it in a private network namespace.
+
+Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]`` and
+``unshare -n sh -c 'ip link set lo up && python scripts/bench_l3_poll.py --real-master'``.
+Prints Markdown.
 """
 
 from __future__ import annotations
@@ -37,15 +44,15 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.config import IngestL3
-from common.store import Instance, Store
-from services.l3_poller.client import MasterClient, parse_batch_body
-from services.l3_poller.keys_parser import parse_key
-from services.l3_poller.metrics import PollerMetrics
-from services.l3_poller.poller import MasterPoller
-from services.l3_poller.writer import L3Writer
-from tests.conftest import RedisServer
-from tests.fake_master import FakeMaster
+from common.config import IngestL3  # noqa: E402
+from common.store import Instance, Store  # noqa: E402
+from services.l3_poller.client import MasterClient, parse_batch_body  # noqa: E402
+from services.l3_poller.keys_parser import parse_key  # noqa: E402
+from services.l3_poller.metrics import PollerMetrics  # noqa: E402
+from services.l3_poller.poller import MasterPoller  # noqa: E402
+from services.l3_poller.writer import L3Writer  # noqa: E402
+from tests.conftest import RedisServer  # noqa: E402
+from tests.fake_master import FakeMaster  # noqa: E402
 
 PODS = [f"10.0.0.{i}" for i in range(1, 9)]
 
@@ -79,6 +86,82 @@ def serve(n_keys: int) -> None:
         master.set_keys({**dict(keys[cut:]), **_block_keys(rng, cut // 2, eps)})
         master.all_keys_body()
         print("ok", flush=True)
+
+
+def put_client(n_keys: int, host: str, master: str) -> None:
+    """Child: a store client putting N TP-2 keys, kept alive until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    assert store.setup(host, "P2PHANDSHAKE", 512 << 20, 16 << 20, "tcp", "", master) == 0
+    rng = random.Random(host)
+    keys = [f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}"
+            for digest in (rng.randbytes(32).hex() for _ in range(n_keys // 2)) for tp in (0, 1)]
+    for i in range(0, len(keys), 1000):
+        assert store.put_batch(keys[i:i + 1000], [b"x" * 16] * len(keys[i:i + 1000])) == 0
+    print("ok", flush=True)
+    sys.stdin.read()
+
+
+def real_master(n_keys: int) -> dict[str, Any]:
+    """First and steady polls against a real master (run inside a network namespace)."""
+    rpc, admin = 50551, 19003
+    master = subprocess.Popen(
+        ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+         "--metrics_host=127.0.0.1", f"--metrics_port={admin}",
+         "--enable_metric_reporting=false"], stderr=subprocess.DEVNULL)
+    clients: list[subprocess.Popen[str]] = []
+    redis_server = RedisServer().start()
+    try:
+        url = f"http://127.0.0.1:{admin}"
+        _wait_http(url + "/health")
+        t = time.perf_counter()
+        for host in ("127.0.0.2", "127.0.0.3"):
+            clients.append(subprocess.Popen(
+                [sys.executable, __file__, "--put", str(n_keys // 2), "--host", host,
+                 "--master", f"127.0.0.1:{rpc}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True))
+        for c in clients:
+            assert c.stdout is not None and c.stdout.readline().strip() == "ok"
+        out: dict[str, Any] = {"keys": n_keys, "put_s": time.perf_counter() - t}
+        import redis
+
+        store = Store(redis.Redis.from_url(redis_server.url))
+        for ip in ("127.0.0.2", "127.0.0.3"):
+            store.upsert_instance(Instance(ip=ip, uid=ip))
+        metrics = PollerMetrics.register()
+        writer = L3Writer(store, "segment", metrics)
+        cfg = IngestL3(http_timeout=60.0, poll_interval=60.0)  # type: ignore[arg-type]
+        poller = MasterPoller(url, cfg, MasterClient(url, 60.0, 60.0), writer, metrics,
+                              threading.Event())
+        writer.enroll(url, poller)
+        for name in ("first", "steady"):
+            wall, cpu = time.perf_counter(), time.process_time()
+            view = poller.poll_once()
+            out[name] = {"wall_s": time.perf_counter() - wall,
+                         "cpu_s": time.process_time() - cpu, "blocks": view.blocks.complete}
+            t = time.perf_counter()
+            assert writer.publish(url, view, owner=poller)
+            out[name]["redis_write_s"] = time.perf_counter() - t
+        out["located"] = metrics.keys_located.value(master=url)
+        return out
+    finally:
+        for c in clients:
+            c.kill()
+        master.terminate()
+        master.wait(10)
+        redis_server.cleanup()
+
+
+def _wait_http(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer")
 
 
 # -- the measuring process --------------------------------------------------------------
@@ -234,7 +317,24 @@ def main() -> None:
     p.add_argument("--sizes", default="100000,1000000")
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--real-master", action="store_true", help="measure a real mooncake_master")
+    p.add_argument("--put", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--master", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.put:
+        put_client(args.put, args.host, args.master)
+        return
+    if args.real_master:
+        print("| keys | put s | poll | wall s | poller CPU s | Redis write s (2 inst.) |")
+        print("|---:|---:|---|---:|---:|---:|")
+        for n in (int(s) for s in args.sizes.split(",")):
+            r = real_master(n)
+            for name in ("first", "steady"):
+                q = r[name]
+                print(f"| {n:,} | {r['put_s']:.1f} | {name} | {q['wall_s']:.2f} | "
+                      f"{q['cpu_s']:.2f} | {q['redis_write_s']:.2f} |", flush=True)
+        return
     if args.serve:
         serve(args.serve)
         return

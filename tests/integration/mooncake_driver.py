@@ -31,12 +31,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import httpx
-import redis
+import httpx  # noqa: E402
+import redis  # noqa: E402
 
-from common.blockhash import BlockHasher, HashSettings
-from common.store import Instance, Store
-from tests.conftest import RedisServer, free_port, wait_for
+from common.blockhash import BlockHasher, HashSettings  # noqa: E402
+from common.store import Instance, Store  # noqa: E402
+from tests.conftest import RedisServer, free_port, wait_for  # noqa: E402
 
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 BLOCK = 16

@@ -182,6 +182,6 @@ def test_location_table_is_compacted_when_endpoints_churn() -> None:
         index.located(ck, (A,) if i % 2 else (B,))
     index.commit()
     assert len(index._locs) == 4  # UNLOCATED, (), A, B
-    assert sets(index.blocks("segment")) == {
-        "10.0.0.1": {i for i in range(10) if i % 2}, "10.0.0.2": {i for i in range(10) if not i % 2}}
+    odd, even = {i for i in range(10) if i % 2}, {i for i in range(10) if not i % 2}
+    assert sets(index.blocks("segment")) == {"10.0.0.1": odd, "10.0.0.2": even}
     assert poll(index, {line: (A,) for line in lines[:10]}) == []  # ids survived compaction
