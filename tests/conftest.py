@@ -101,6 +101,20 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def any_store(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A :class:`common.store.Store` on fakeredis and, as a second case, on a real server."""
+    import fakeredis
+
+    from common.store import Store
+
+    if request.param == "fakeredis":
+        client: redis.Redis = fakeredis.FakeRedis()
+    else:
+        client = request.getfixturevalue("redis_client")
+    yield Store(client)
+
+
 @pytest.fixture()
 def subprocess_env() -> dict[str, str]:
     """Environment for child processes: the project importable, no inherited config."""

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from typing import Any
 
-import fakeredis
 import falcon.testing
 import orjson
 import pytest
@@ -50,13 +48,9 @@ def _client(store: Store, hasher: BlockHasher, limit: int = 4194304,
     return falcon.testing.TestClient(create_app(config, store, hasher, metrics or ApiMetrics()))
 
 
-@pytest.fixture(params=["redis-server", "fakeredis"])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    if request.param == "fakeredis":
-        client: redis.Redis = fakeredis.FakeRedis()
-    else:
-        client = request.getfixturevalue("redis_client")
-    yield Store(client)
+@pytest.fixture()
+def store(any_store: Store) -> Store:
+    return any_store
 
 
 @pytest.fixture()
@@ -77,7 +71,8 @@ def _ratios(result: falcon.testing.Result) -> list[tuple[str, float, float]]:
     assert result.status_code == 200, result.text
     doc = result.json
     assert (doc["message"], doc["status"]) == ("", 0)
-    return [(s["server_ip"], s["l1_hit_ratio"], s["l3_hit_ratio"]) for s in doc["server_score_list"]]
+    scores = doc["server_score_list"]
+    return [(s["server_ip"], s["l1_hit_ratio"], s["l3_hit_ratio"]) for s in scores]
 
 
 def test_exact_ratios_in_input_order_with_duplicates_and_unknown(

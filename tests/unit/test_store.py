@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
-import fakeredis
 import pytest
-import redis
 
 from common import keys
 from common.store import Instance, Store, TierOps
@@ -14,13 +11,9 @@ from common.store import Instance, Store, TierOps
 IP = "10.0.0.5"
 
 
-@pytest.fixture(params=["fakeredis", "redis-server"])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    if request.param == "fakeredis":
-        client: redis.Redis = fakeredis.FakeRedis()
-    else:
-        client = request.getfixturevalue("redis_client")
-    yield Store(client)
+@pytest.fixture()
+def store(any_store: Store) -> Store:
+    return any_store
 
 
 def _register(store: Store, ip: str = IP, uid: str = "uid-1", **kw: object) -> int:
@@ -54,7 +47,8 @@ def test_upsert_reports_what_happened_and_is_idempotent(store: Store) -> None:
 
 def test_duplicate_copies_are_counted(store: Store) -> None:
     gen = _register(store)
-    assert store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 8]), ("S", "l1", [7]))).status == "applied"
+    ops = _ops(("S", "l1", [7, 8]), ("S", "l1", [7]))
+    assert store.apply_batch(IP, gen, 0, 0, ops).status == "applied"
     res = store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7])))
     assert (res.status, res.removed) == ("applied", 1)
     assert store.tier_members(IP) == {7, 8}, "one copy of 7 is still held"
@@ -112,7 +106,8 @@ def test_writes_are_fenced_by_generation_and_owner(store: Store) -> None:
     assert not store.claim_instance(IP, "ingester-b", 10_000)
     res = store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-b")
     assert res.status == "not_owner"
-    assert store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-a").status == "applied"
+    res = store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-a")
+    assert res.status == "applied"
     assert store.release_instance(IP, "ingester-a")
     assert store.claim_instance(IP, "ingester-b", 10_000)
     assert store.tier_members(IP) == {1}
