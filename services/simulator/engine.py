@@ -32,8 +32,10 @@ class SimulatedVLLM:
                  vllm_version: str = "0.28.0", block_size: int = 16, num_blocks: int = 1024,
                  ranks: Sequence[int] = (0,), buffer_steps: int = 10_000, cpu_blocks: int = 0,
                  hash_algo: str = "sha256_cbor", hash_seed: str | None = "0",
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 bind_host: str = "127.0.0.1") -> None:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
+        self.bind_host = bind_host
         self.version = parse_vllm_version(vllm_version)
         self.hasher = BlockHasher(HashSettings.from_strings(hash_algo, hash_seed, vllm_version))
         self.block_size, self.num_blocks, self.cpu_blocks = block_size, num_blocks, cpu_blocks
@@ -51,7 +53,8 @@ class SimulatedVLLM:
                                                  self.cpu_blocks)
             self.publishers[rank] = Publisher(
                 self.endpoint, self.replay_endpoint, self.topic, dp_rank=rank,
-                vllm_version=self.version, buffer_steps=self.buffer_steps, ctx=self.ctx)
+                vllm_version=self.version, buffer_steps=self.buffer_steps, ctx=self.ctx,
+                bind_host=self.bind_host)
 
     # -- driving -------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--endpoint", default="tcp://*:5557", help="PUB endpoint (vLLM's bind/connect rule)")
     a("--replay-endpoint", default="", help="replay ROUTER endpoint (always binds); '' = none")
     a("--topic", default="", help="topic frame (deployments use kv-events)")
+    a("--bind-host", default="127.0.0.1",
+      help="host a wildcard endpoint binds (vLLM binds every interface: pass '*')")
     a("--vllm-version", default="0.28.0", help="emulated release: encoding and framing")
     a("--block-size", type=int, default=16)
     a("--num-blocks", type=int, default=1024, help="GPU blocks per rank")
@@ -62,7 +64,8 @@ def main(argv: list[str]) -> int:
     sim = SimulatedVLLM(
         args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
         block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
-        buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed)
+        buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed,
+        bind_host=args.bind_host)
     workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
                         block_size=args.block_size, seed=args.seed)
     stop = threading.Event()

@@ -39,6 +39,16 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def bind_on(endpoint: str, bind_host: str) -> str:
+    """Where a wildcard endpoint actually binds: ``*`` replaced by ``bind_host``.
+
+    vLLM binds every interface for ``tcp://*:port``; the simulator binds only ``bind_host``
+    (loopback by default) unless it is given ``*``, so tests and the local stack never listen
+    beyond the machine.
+    """
+    return endpoint.replace("*", bind_host, 1) if bind_host != "*" else endpoint
+
+
 def offset_endpoint(endpoint: str, rank: int) -> str:
     """The DP rank's endpoint: tcp port + rank, inproc ``_dp<rank>``; rank 0 unchanged."""
     if not endpoint or rank == 0:
@@ -54,11 +64,12 @@ class Publisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "", *,
                  dp_rank: int = 0, vllm_version: tuple[int, int, int] = (0, 28, 0),
-                 buffer_steps: int = 10_000, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-                 ) -> None:
+                 buffer_steps: int = 10_000, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 bind_host: str = "127.0.0.1") -> None:
         self.endpoint = offset_endpoint(endpoint, dp_rank)
         self.replay_endpoint = offset_endpoint(replay_endpoint, dp_rank)
         self.topic = topic.encode()
+        self.bind_host = bind_host
         self.dp_rank, self.vllm_version = dp_rank, vllm_version
         self.ctx = ctx or zmq.Context.instance()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -113,7 +124,10 @@ class Publisher:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         try:
-            (pub.bind if binds(self.endpoint) else pub.connect)(self.endpoint)
+            if binds(self.endpoint):
+                pub.bind(bind_on(self.endpoint, self.bind_host))
+            else:
+                pub.connect(self.endpoint)
         except zmq.ZMQError:
             pub.close(linger=0)
             raise
@@ -123,7 +137,7 @@ class Publisher:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.SNDHWM, 2 * (self._buffer.maxlen or 0) + 2)
         try:
-            router.bind(self.replay_endpoint)
+            router.bind(bind_on(self.replay_endpoint, self.bind_host))
         except zmq.ZMQError:
             router.close(linger=0)
             pub.close(linger=0)
