@@ -83,7 +83,7 @@ def plain_ids(tokens: Sequence[int], limit: int) -> list[int]:
 
 def encode_ids(tokens: Sequence[int], limit: int) -> Sequence[bytes]:
     """The CBOR encoding of every id, in order; ``limit`` bounds the ids (2**64 or 2**31)."""
-    if not tokens:
+    if len(tokens) == 0:  # not "not tokens": a numpy array has no truth value
         return ()
     try:
         # A C-speed check that every id is an int >= 0: a negative id would silently wrap

@@ -163,8 +163,8 @@ class IngestL1:
     topic: str = ""
     on_unrecoverable_gap: str = "keep"
     shard_mode: str = "lease"
-    lease_ttl: Duration = _f(Duration(10), "leaseTTL")
-    heartbeat_interval: Duration = _f(Duration(2))
+    lease_ttl: Duration = _f(Duration(5), "leaseTTL")
+    heartbeat_interval: Duration = _f(Duration(1))
     replay_timeout: Duration = _f(Duration(5))
 
 
@@ -301,8 +301,23 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
             problems.append(f"{dotted}: must be > 0, got {value}")
     if cfg.ingest.l1.backoff_initial > cfg.ingest.l1.backoff_max:
         problems.append("ingest.l1.backoffInitial: must not exceed ingest.l1.backoffMax")
+    l1 = cfg.ingest.l1
+    if not 0 < l1.heartbeat_interval <= l1.lease_ttl / 2:
+        problems.append("ingest.l1.heartbeatInterval: must be > 0 and at most half of leaseTTL")
     if cfg.ingest.l3.poll_interval <= 0:
         problems.append("ingest.l3.pollInterval: must be > 0")
+
+
+def _keep_seed_text(raw: Any, root: yaml.Node | None) -> None:
+    """``pythonHashSeed: 010`` means the string "010" to vLLM (and to the Go original, whose
+    field is a string), not YAML's octal 8: keep an unquoted number's text as written."""
+    node: Any = root
+    for key in ("blockKey", "pythonHashSeed"):
+        if not isinstance(node, yaml.MappingNode):
+            return
+        node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+    if isinstance(node, yaml.ScalarNode) and node.tag.endswith((":int", ":float")):
+        raw["blockKey"]["pythonHashSeed"] = node.value
 
 
 def load_config(
@@ -313,7 +328,9 @@ def load_config(
     raw: Any = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            text = Path(path).read_text(encoding="utf-8")
+            raw = yaml.safe_load(text)
+            _keep_seed_text(raw, yaml.compose(text))
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:

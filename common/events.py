@@ -76,11 +76,28 @@ def hash_to_int(h: Hash) -> int:
     raise DecodeError(f"not a block hash: {_describe(h)}")
 
 
+def _hashable_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    return {k: v for k, v in pairs if type(k) not in (list, dict)}
+
+
+def _unpack_tolerant(payload: bytes) -> Any:
+    """The slow path of :func:`decode_batch`: unhashable map keys are left out."""
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                               object_pairs_hook=_hashable_pairs)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise NotABatchError(f"not msgpack: {exc}", "not_a_batch") from exc
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one ZMQ payload; raise NotABatchError (and nothing else) if it is not a batch."""
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+    except TypeError:
+        # A map with an array or map as a key (unhashable): decode again keeping the other
+        # keys, so only that event is affected (a key we cannot name is an unknown key).
+        batch = _unpack_tolerant(payload)
+    except (ValueError, msgpack.UnpackException) as exc:
         raise NotABatchError(f"not msgpack: {exc}", "not_a_batch") from exc
     if type(batch) is not list or len(batch) < 2:
         raise NotABatchError(f"batch is {_describe(batch)}, not an array of 2+", "not_a_batch")

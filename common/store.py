@@ -8,7 +8,6 @@ per :class:`Store`. Reads on the API's hot path are one non-transactional pipeli
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +112,7 @@ class Store:
         self._replace_l3 = client.register_script(store_lua.REPLACE_L3)
         self._claim = client.register_script(store_lua.CLAIM_LEASE)
         self._release = client.register_script(store_lua.RELEASE_LEASE)
+        self._heartbeat = client.register_script(store_lua.HEARTBEAT)
 
     # -- registry (discovery) -------------------------------------------------------
 
@@ -123,14 +123,17 @@ class Store:
         (container restart: L1 dropped)/``updated``/``unchanged``. Idempotent.
         """
         argv = [*_rank_prefixes(inst.ip), inst.uid, inst.restarts, *inst.meta_fields()]
-        result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
+        # Index first, then the instance: a failure in between leaves an indexed IP that the
+        # next reconcile upserts or removes, never instance data that nothing lists.
         self.r.sadd(keys.INSTANCES, inst.ip)
+        result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
         return _text(result), int(gen)
 
     def remove_instance(self, ip: str) -> bool:
         """Forget an instance and drop its L1/L2/L3 data (O(its own keys)); bumps its gen."""
-        self.r.srem(keys.INSTANCES, ip)
-        return bool(self._remove(keys=_instance_keys(ip), args=_rank_prefixes(ip)))
+        existed = bool(self._remove(keys=_instance_keys(ip), args=_rank_prefixes(ip)))
+        self.r.srem(keys.INSTANCES, ip)  # only once the data is gone (see upsert_instance)
+        return existed
 
     def instance_ips(self) -> set[str]:
         return {_text(m) for m in self.r.smembers(keys.INSTANCES)}
@@ -181,12 +184,8 @@ class Store:
 
     def heartbeat_ingester(self, ingester_id: str, ttl_ms: int) -> list[str]:
         """Record this ingester as alive; return the ids of all live ingesters, sorted."""
-        now = int(time.time() * 1000)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.zadd(keys.INGESTERS, {ingester_id: now + ttl_ms})
-        pipe.zremrangebyscore(keys.INGESTERS, "-inf", now)
-        pipe.zrange(keys.INGESTERS, 0, -1)
-        return sorted(_text(m) for m in pipe.execute()[2])
+        live = self._heartbeat(keys=[keys.INGESTERS], args=[ingester_id, int(ttl_ms)])
+        return sorted(_text(m) for m in live)
 
     def leave_ingesters(self, ingester_id: str) -> None:
         self.r.zrem(keys.INGESTERS, ingester_id)
@@ -226,9 +225,12 @@ class Store:
     # -- L3 ---------------------------------------------------------------------------
 
     def replace_l3(
-        self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None
+        self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None,
+        gen: int | None = None,
     ) -> bool:
-        """Atomically replace the instance's L3 set; False if the instance is not registered."""
+        """Atomically replace the instance's L3 set. False, and nothing written, if the
+        instance is not registered or (with ``gen``) is no longer that generation: data
+        computed for a pod never lands on the new pod that took over its IP."""
         staging = keys.l3_staging(ip)
         pipe = self.r.pipeline(transaction=False)
         pipe.delete(staging)
@@ -241,7 +243,7 @@ class Store:
         if chunk:
             pipe.sadd(staging, *chunk)
         pipe.execute()
-        argv: list[Any] = _rank_prefixes(ip)
+        argv: list[Any] = [*_rank_prefixes(ip), "" if gen is None else int(gen)]
         for k, v in (state or {}).items():
             argv += [k, v]
         return bool(self._replace_l3(keys=_instance_keys(ip), args=argv))

@@ -46,6 +46,18 @@ local function drop_event_tiers()
   redis.call('UNLINK', KEYS[3], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 end
 
+-- A new generation: above the last one and never below the server's clock in ms, so a
+-- Redis that lost its data (restart without persistence) still never repeats a generation
+-- that a running ingester may hold.
+local function next_gen()
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+  gen = string.format('%d', gen)
+  redis.call('SET', KEYS[2], gen)
+  return gen
+end
+
 local function drop_all()
   drop_event_tiers()
   redis.call('UNLINK', KEYS[4], KEYS[9], KEYS[10], KEYS[11])
@@ -77,7 +89,7 @@ local gen
 if result == 'unchanged' or result == 'updated' then
   gen = redis.call('HGET', KEYS[1], 'gen')
 else
-  gen = redis.call('INCR', KEYS[2])
+  gen = next_gen()
 end
 local fields = {'uid', uid, 'restarts', restarts, 'gen', gen}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
@@ -89,7 +101,7 @@ REMOVE_INSTANCE = _COMMON + r"""
 local existed = redis.call('EXISTS', KEYS[1])
 drop_all()
 redis.call('DEL', KEYS[1])
-redis.call('INCR', KEYS[2])
+next_gen()
 return existed
 """
 
@@ -148,9 +160,11 @@ return {1, stored, removed, unknown, cleared}
 """
 
 REPLACE_L3 = r"""
--- KEYS as above; ARGV[3..] field, value pairs for the l3 state hash.
+-- KEYS as above; ARGV[3] the generation the data was computed for ('' = any registered),
+-- ARGV[4..] field, value pairs for the l3 state hash.
 -- The staging set was filled by the caller in the same pipeline.
-if redis.call('EXISTS', KEYS[1]) == 0 then
+if redis.call('EXISTS', KEYS[1]) == 0
+   or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then
   redis.call('DEL', KEYS[10])
   return 0
 end
@@ -159,7 +173,7 @@ if redis.call('EXISTS', KEYS[10]) == 1 then
 else
   redis.call('UNLINK', KEYS[9])
 end
-if #ARGV > 2 then redis.call('HSET', KEYS[11], unpack(ARGV, 3)) end
+if #ARGV > 3 then redis.call('HSET', KEYS[11], unpack(ARGV, 4)) end
 return 1
 """
 
@@ -175,6 +189,16 @@ if not cur then
   return 1
 end
 return 0
+"""
+
+HEARTBEAT = r"""
+-- KEYS[1] live-ingester zset; ARGV[1] id, ARGV[2] ttl ms. Uses the server's clock, so
+-- ingesters on hosts with skewed clocks agree on who is alive. Returns the live ids.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], string.format('%d', now + tonumber(ARGV[2])), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))
+return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
 RELEASE_LEASE = r"""

@@ -116,7 +116,7 @@ def test_ip_change_and_container_restart(kube: FakeKube, start: Start, store: St
         status["state"] = {"running": {"startedAt": "2024-01-01T01:00:00Z"}}
 
     kube.modify_pod("a", restart)
-    wait_for(lambda: store.get_instance("10.0.0.1").gen == gen + 1,  # type: ignore[union-attr]
+    wait_for(lambda: store.get_instance("10.0.0.1").gen > gen,  # type: ignore[union-attr]
              what="restart to bump the generation")
     assert store.tier_members("10.0.0.1") == set(), "L1 of the old process must be gone"
     assert store.l3_members("10.0.0.1") == {21, 22}, "Mooncake still holds the L3 blocks"

@@ -127,3 +127,17 @@ def test_listen_addr() -> None:
     assert parse_listen_addr("[::1]:8080") == ("::1", 8080)
     with pytest.raises(ConfigError):
         parse_listen_addr("nope")
+
+
+@pytest.mark.parametrize("literal,seed", [("010", "010"), ("0", "0"), ('"0"', "0"),
+                                          ("1e3", "1e3"), ("0x1F", "0x1F"), ("null", None)])
+def test_hash_seed_is_the_text_as_written(tmp_path: Path, literal: str, seed: str | None) -> None:
+    """vLLM hashes PYTHONHASHSEED as a string: YAML must not turn 010 into 8."""
+    cfg = load_config(_write(tmp_path, f"blockKey:\n  pythonHashSeed: {literal}\n"), env={})
+    assert cfg.block_key.python_hash_seed == seed
+
+
+def test_heartbeat_must_fit_the_lease(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ingest.l1.heartbeatInterval"):
+        load_config(_write(tmp_path, "ingest:\n  l1: {leaseTTL: 2s, heartbeatInterval: 2s}\n"),
+                    env={})

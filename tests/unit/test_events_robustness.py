@@ -128,7 +128,6 @@ GARBAGE = [
     msgpack.packb([1.0, [], "0"]), msgpack.packb([1.0, [], -1]), msgpack.packb([1.0, [], True]),
     msgpack.packb([1.0, [], 0.0]), msgpack.packb([msgpack.Timestamp(0, 0), [], 0]),
     b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa2\xff\xfe\x00",  # invalid UTF-8
-    b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\x91\x01\x01\x00",  # map with an array key
     b"\x91" * 5000,  # nested too deep for msgpack
     b"\xdd\xff\xff\xff\xff",  # array32 header claiming 4G elements
     MIXED + b"\x00",  # trailing bytes after the batch
@@ -156,7 +155,8 @@ def test_non_bytes_payload_is_not_a_batch() -> None:
 
 def _assert_trustworthy(batch: EventBatch, payload: bytes) -> None:
     """Everything downstream relies on: exact types, consistent counts and indexes."""
-    raw_events = msgpack.unpackb(payload, strict_map_key=False)[1]
+    raw_events = msgpack.unpackb(payload, strict_map_key=False,
+                                 object_pairs_hook=lambda pairs: dict(pairs[:0]))[1]
     assert len(batch.events) + len(batch.skipped) == len(raw_events)
     assert type(batch.ts) is float and batch.form in ("array", "map", "empty")
     assert batch.data_parallel_rank is None or type(batch.data_parallel_rank) is int
@@ -265,3 +265,18 @@ def test_encoded_batches_always_decode() -> None:
     for version in ((0, 10, 2), (0, 23, 0), (0, 24, 0), (0, 34, 0)):
         payload = encode_batch([stored] * 20, ts=0.0, data_parallel_rank=1, vllm_version=version)
         assert decode_batch(payload).events[-1].block_hashes == [b"\xaa" * 32]  # type: ignore[union-attr]
+
+
+def test_unhashable_map_key_only_costs_its_own_event() -> None:
+    """A map key that is itself an array or map must not sink the whole batch."""
+    import msgpack
+
+    from common.events import AllBlocksCleared, BlockRemoved, decode_batch
+
+    good = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    weird_key = {"type": "AllBlocksCleared", (1, 2): 3}  # an extra key we cannot name
+    only_weird = {(1,): "BlockStored"}
+    payload = msgpack.packb([1.5, [good, weird_key, only_weird, good], 0])
+    batch = decode_batch(payload)
+    assert batch.events == [BlockRemoved([7], "GPU"), AllBlocksCleared(), BlockRemoved([7], "GPU")]
+    assert [s.index for s in batch.skipped] == [2]

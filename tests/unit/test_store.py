@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
+import redis
 
 from common import keys
 from common.store import Instance, Store, TierOps
+from tests.conftest import wait_for
 
 IP = "10.0.0.5"
 
@@ -35,12 +36,13 @@ def _ops(*items: tuple[str, str, list[int]]) -> TierOps:
 
 def test_upsert_reports_what_happened_and_is_idempotent(store: Store) -> None:
     inst = Instance(ip=IP, uid="u", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:5557")
-    assert store.upsert_instance(inst) == ("added", 1)
-    assert store.upsert_instance(inst) == ("unchanged", 1)
+    result, gen = store.upsert_instance(inst)
+    assert result == "added" and gen > 0
+    assert store.upsert_instance(inst) == ("unchanged", gen)
     moved = Instance(ip=IP, uid="u", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:6000")
-    assert store.upsert_instance(moved) == ("updated", 1)
+    assert store.upsert_instance(moved) == ("updated", gen)
     got = store.get_instance(IP)
-    assert got is not None and got.zmq_endpoint == "tcp://10.0.0.5:6000" and got.gen == 1
+    assert got is not None and got.zmq_endpoint == "tcp://10.0.0.5:6000" and got.gen == gen
     assert store.instance_ips() == {IP}
     assert [i.ip for i in store.list_instances()] == [IP]
 
@@ -135,7 +137,7 @@ def test_container_restart_drops_l1_but_keeps_l3(store: Store) -> None:
     store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])))
     store.replace_l3(IP, [3])
     result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
-    assert result == "restarted" and new_gen == gen + 1
+    assert result == "restarted" and new_gen > gen
     assert store.tier_members(IP) == set()
     assert store.l3_members(IP) == {3}
 
@@ -191,3 +193,37 @@ def test_masters_registry_is_replaced_whole(store: Store) -> None:
     store.set_masters({"http://127.0.0.1:9003": "{}", "http://127.0.0.2:9003": "{}"})
     store.set_masters({"http://127.0.0.2:9003": '{"pod":"m"}'})
     assert store.list_masters() == {"http://127.0.0.2:9003": '{"pod":"m"}'}
+
+
+def test_generation_is_not_reused_after_redis_lost_its_data(store: Store) -> None:
+    """A Redis restarted without persistence must not hand out an old generation again."""
+    gen = _register(store)
+    store.r.flushall()
+
+    def server_ms() -> int:
+        sec, usec = store.r.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    wait_for(lambda: server_ms() > gen, timeout=2, what="a restart to take a millisecond")
+    assert _register(store) > gen
+
+
+def test_l3_data_of_a_replaced_pod_is_refused(store: Store) -> None:
+    old_gen = _register(store, uid="pod-a")
+    _, new_gen = store.upsert_instance(Instance(ip=IP, uid="pod-b"))
+    assert not store.replace_l3(IP, [1, 2], gen=old_gen), "computed for the pod that left"
+    assert store.l3_members(IP) == set()
+    assert store.replace_l3(IP, [3], gen=new_gen)
+    assert store.l3_members(IP) == {3}
+
+
+def test_a_failed_removal_is_retried_by_the_next_reconcile(store: Store) -> None:
+    """The index entry goes last, so an IP whose data is still there stays listed."""
+    _register(store)
+    store.r.set(keys.l1_state(IP), "not a hash")  # makes the drop script fail half-way
+    with pytest.raises(redis.ResponseError):
+        store.remove_instance(IP)
+    assert IP in store.instance_ips()
+    store.r.delete(keys.l1_state(IP))
+    assert store.remove_instance(IP)
+    assert IP not in store.instance_ips()
