@@ -110,6 +110,7 @@ class Store:
         self._remove = client.register_script(store_lua.REMOVE_INSTANCE)
         self._apply = client.register_script(store_lua.APPLY_BATCH)
         self._replace_l3 = client.register_script(store_lua.REPLACE_L3)
+        self._touch_l3 = client.register_script(store_lua.TOUCH_L3)
         self._claim = client.register_script(store_lua.CLAIM_LEASE)
         self._release = client.register_script(store_lua.RELEASE_LEASE)
         self._heartbeat = client.register_script(store_lua.HEARTBEAT)
@@ -247,6 +248,13 @@ class Store:
         for k, v in (state or {}).items():
             argv += [k, v]
         return bool(self._replace_l3(keys=_instance_keys(ip), args=argv))
+
+    def touch_l3_state(self, ip: str, state: dict[str, str], gen: int) -> bool:
+        """Update the state hash of an unchanged L3 set; False if ``gen`` is not current."""
+        argv: list[Any] = [*_rank_prefixes(ip), int(gen)]
+        for k, v in state.items():
+            argv += [k, v]
+        return bool(state) and bool(self._touch_l3(keys=_instance_keys(ip), args=argv))
 
     def l3_members(self, ip: str) -> set[int]:
         return {int(m) for m in self.r.smembers(keys.l3_set(ip))}

@@ -177,6 +177,14 @@ if #ARGV > 3 then redis.call('HSET', KEYS[11], unpack(ARGV, 4)) end
 return 1
 """
 
+TOUCH_L3 = r"""
+-- KEYS as above; ARGV[3] generation, ARGV[4..] field, value pairs for the l3 state hash.
+-- Refreshes the state of an unchanged L3 set (e.g. updated_ms) without rewriting it.
+if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end
+redis.call('HSET', KEYS[11], unpack(ARGV, 4))
+return 1
+"""
+
 CLAIM_LEASE = r"""
 -- KEYS[1] lease key; ARGV[1] holder, ARGV[2] ttl ms. 1 = held by holder now, 0 = held by another.
 local cur = redis.call('GET', KEYS[1])

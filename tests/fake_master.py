@@ -12,7 +12,9 @@ captured from real masters (tests/data/mooncake/queries-*.json):
 Like the real masters, query parameters are taken raw (never URL-decoded), so an encoded
 key is a miss. ``fault`` makes every data endpoint misbehave: ``503`` (standby),
 ``garbage`` (an HTML page), ``binary`` (NUL bytes as text), ``truncated`` (body shorter
-than its Content-Length), ``slow`` (answers after ``slow_seconds``).
+than its Content-Length), ``slow`` (answers after ``slow_seconds``), ``one_line`` (a
+16 MiB ``/get_all_keys`` body without a newline), ``bad_locate`` (``/batch_query_keys`` answers
+``{"success":true,"data":null}``, ``/query_key`` ``{"success":true}``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class FakeMaster:
         self._conns: set[socket.socket] = set()
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
+        self._server.handle_error = lambda *_: None  # type: ignore[method-assign]  # cut peers
         self._thread: threading.Thread | None = None
 
     @property
@@ -110,6 +113,12 @@ class FakeMaster:
             return 200, "text/html", b"<html><body>502 Bad Gateway</body></html>"
         if self.fault == "binary" and route == "/get_all_keys":
             return 200, "text/plain; version=0.0.4", b"\x00\x01\x02garbage\n"
+        if self.fault == "one_line" and route == "/get_all_keys":
+            return 200, "text/plain; version=0.0.4", b"k" * (16 << 20)
+        if self.fault == "bad_locate" and route == "/batch_query_keys":
+            return 200, "application/json", b'{"success":true,"data":null}'
+        if self.fault == "bad_locate" and route == "/query_key":
+            return 200, "application/json", b'{"success":true}'
         if route == "/get_all_keys":
             return 200, "text/plain; version=0.0.4", self.all_keys_body()
         if route == "/get_all_segments":

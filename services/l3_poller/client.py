@@ -19,7 +19,8 @@ Every failure is a :class:`MasterError` whose ``reason`` labels the error counte
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -32,6 +33,10 @@ Replicas = tuple[str, ...]
 
 MAX_URL_BYTES = 32 * 1024
 """Bound on a batch query URL (httpx refuses URLs over 64 KiB; keep well below)."""
+MAX_KEY_BYTES = 4096
+"""Longest ``/get_all_keys`` line kept. vLLM keys are ~130 bytes (model name + ranks + 64
+hex); a longer line is some other tool's key (or a body that is not a key list) and is
+skipped and counted (``reason="too_long"``), never buffered whole."""
 
 
 class MasterError(UpstreamError):
@@ -46,27 +51,45 @@ class NoBatchEndpoint(MasterError):
     """The master predates ``/batch_query_keys`` (< 0.3.9): use ``/query_key``."""
 
 
-def replicas_of(entry: dict[str, Any]) -> Replicas:
+def _garbage(what: str, body: bytes) -> MasterError:
+    return MasterError(f"{what}: bad body {body[:120]!r}", "garbage")
+
+
+def _endpoints(replicas: Any, field: str, what: str, body: bytes) -> list[str]:
+    """The ``field`` of each replica object of a list (``null`` = none). A replica without a
+    string endpoint cannot be located and is left out; anything but a list of objects is
+    garbage."""
+    if replicas is None:
+        return []
+    if not isinstance(replicas, list) or not all(isinstance(r, dict) for r in replicas):
+        raise _garbage(what, body)
+    return [ep for r in replicas if isinstance(ep := r.get(field), str) and ep]
+
+
+def replicas_of(entry: dict[str, Any], body: bytes = b"") -> Replicas:
     """Endpoints of one key's entry: memory replicas and local-disk replicas (≥ 0.3.12)."""
-    out = [str(v["transport_endpoint_"]) for v in entry.get("values") or ()]
-    out += [str(v["transport_endpoint"]) for v in entry.get("local_disk_values") or ()]
+    out = _endpoints(entry.get("values"), "transport_endpoint_", "batch_query_keys", body)
+    out += _endpoints(entry.get("local_disk_values"), "transport_endpoint",
+                      "batch_query_keys", body)
     return tuple(dict.fromkeys(out))
 
 
 def parse_batch_body(body: bytes) -> dict[str, Replicas | None]:
-    """``/batch_query_keys`` (0.3.9 … 0.3.13): key → replica endpoints, ``None`` = not found."""
+    """``/batch_query_keys`` (0.3.9 … 0.3.13): key → replica endpoints, ``None`` = not found.
+    Any other shape is a :class:`MasterError` ``garbage``."""
     try:
         doc = orjson.loads(body)
-        data = doc["data"] if doc.get("success") else None
-        if not isinstance(data, dict):
-            raise MasterError(f"batch_query_keys failed: {body[:200]!r}", "garbage")
-        return {k: replicas_of(e) if e.get("ok") else None for k, e in data.items()}
-    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+    except orjson.JSONDecodeError as exc:
         raise MasterError(f"batch_query_keys: bad body ({exc})", "garbage") from exc
+    data = doc.get("data") if isinstance(doc, dict) and doc.get("success") is True else None
+    if not isinstance(data, dict) or not all(isinstance(e, dict) for e in data.values()):
+        raise _garbage("batch_query_keys", body)
+    return {k: replicas_of(e, body) if e.get("ok") is True else None for k, e in data.items()}
 
 
 def parse_query_key_body(status: int, body: bytes) -> Replicas | None:
-    """``/query_key`` in both formats; ``None`` when the key is not found (404)."""
+    """``/query_key`` in both formats; ``None`` when the key is not found (404). Any other
+    shape is a :class:`MasterError` ``garbage``."""
     if status == 404:
         return None
     if status != 200:
@@ -76,18 +99,22 @@ def parse_query_key_body(status: int, body: bytes) -> Replicas | None:
         return ()  # ≤ 0.3.11: no memory replica
     try:
         doc = orjson.loads(text)
-        if isinstance(doc, dict) and "success" in doc:  # ≥ 0.3.12 envelope
-            if not doc["success"]:
-                return None
-            return tuple(dict.fromkeys(str(v["transport_endpoint_"]) for v in doc["data"]))
-        lines = [doc]
     except orjson.JSONDecodeError:
-        lines = []  # ≤ 0.3.11 with several replicas: one object per line
-    try:
-        lines = lines or [orjson.loads(line) for line in text.splitlines() if line.strip()]
-        return tuple(dict.fromkeys(str(v["transport_endpoint_"]) for v in lines))
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise MasterError(f"query_key: bad body ({exc})", "garbage") from exc
+        doc = None  # ≤ 0.3.11 with several replicas: one object per line
+    if isinstance(doc, dict) and "success" in doc:  # ≥ 0.3.12 envelope
+        if doc["success"] is False:
+            return None
+        if doc["success"] is not True or not isinstance(doc.get("data"), list):
+            raise _garbage("query_key", body)
+        replicas = doc["data"]
+    elif doc is not None:
+        replicas = [doc]
+    else:
+        try:
+            replicas = [orjson.loads(line) for line in text.splitlines() if line.strip()]
+        except orjson.JSONDecodeError as exc:
+            raise MasterError(f"query_key: bad body ({exc})", "garbage") from exc
+    return tuple(dict.fromkeys(_endpoints(replicas, "transport_endpoint_", "query_key", body)))
 
 
 def parse_segments_body(body: bytes) -> list[str]:
@@ -98,7 +125,8 @@ def parse_segments_detail(body: bytes) -> dict[str, str]:
     """``/get_segments_detail`` → te_endpoint → segment name (every status)."""
     try:
         doc = orjson.loads(body)
-        return {str(s["te_endpoint"]): str(s["segment_name"]) for s in doc["segments"]}
+        return {s["te_endpoint"]: str(s["segment_name"]) for s in doc["segments"]
+                if isinstance(s["te_endpoint"], str)}
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise MasterError(f"get_segments_detail: bad body ({exc})", "garbage") from exc
 
@@ -138,23 +166,16 @@ class MasterClient:
         except httpx.HTTPError as exc:
             raise MasterError(f"{path.split('?')[0]}: {exc!r}", "down") from exc
 
-    def iter_keys(self, deadline: float) -> Iterator[list[bytes]]:
+    def iter_keys(self, deadline: float,
+                  skipped: Counter[str] | None = None) -> Iterator[list[bytes]]:
         """Stream ``/get_all_keys`` as lists of lines (one per 64 KiB read); raises if the
-        body is cut or is not key text. Never holds the whole body."""
+        body is cut or is not key text. Never holds the whole body; lines longer than
+        :data:`MAX_KEY_BYTES` are dropped and counted in ``skipped["too_long"]``."""
         try:
             with self._http.stream("GET", self.base_url + "/get_all_keys") as resp:
                 _check(resp, "get_all_keys", "text/plain")
-                carry = b""
-                for chunk in resp.iter_bytes(1 << 16):
-                    if b"\0" in chunk:
-                        raise MasterError("get_all_keys: binary body", "garbage")
-                    if time.monotonic() > deadline:
-                        raise MasterError("get_all_keys: body too slow", "timeout")
-                    lines = (carry + chunk).split(b"\n")
-                    carry = lines.pop()
-                    yield lines
-                if carry:
-                    raise MasterError("get_all_keys: last line not terminated", "truncated")
+                yield from split_lines(_checked(resp.iter_bytes(1 << 16), deadline),
+                                       skipped if skipped is not None else Counter())
         except httpx.TimeoutException as exc:
             raise MasterError(f"get_all_keys: {exc!r}", "timeout") from exc
         except httpx.RemoteProtocolError as exc:
@@ -187,6 +208,45 @@ class MasterClient:
         if resp.status_code not in (200, 404):
             _check(resp, "query_key", "")
         return parse_query_key_body(resp.status_code, resp.content)
+
+
+def _checked(chunks: Iterator[bytes], deadline: float) -> Iterator[bytes]:
+    for chunk in chunks:
+        if b"\0" in chunk:
+            raise MasterError("get_all_keys: binary body", "garbage")
+        if time.monotonic() > deadline:
+            raise MasterError("get_all_keys: body too slow", "timeout")
+        yield chunk
+
+
+def split_lines(chunks: Iterable[bytes], skipped: Counter[str],
+                max_line: int = MAX_KEY_BYTES) -> Iterator[list[bytes]]:
+    """``\n``-terminated lines of a chunked body, one list per chunk. A line longer than
+    ``max_line`` is dropped as it streams (``skipped["too_long"]``): at most ``max_line``
+    bytes are carried between chunks, so a body without newlines costs linear time and
+    bounded memory. An unterminated last line raises ``truncated``."""
+    carry, overlong = b"", False
+    for chunk in chunks:
+        lines = chunk.split(b"\n")
+        tail = lines.pop()
+        if lines:
+            if overlong or len(carry) + len(lines[0]) > max_line:
+                del lines[0]  # the end of a line already too long
+                skipped["too_long"] += 1
+            else:
+                lines[0] = carry + lines[0]
+            carry, overlong = b"", False
+            if lines and max(map(len, lines)) > max_line:  # only if a chunk > max_line
+                n = len(lines)
+                lines = [line for line in lines if len(line) <= max_line]
+                skipped["too_long"] += n - len(lines)
+        if overlong or len(carry) + len(tail) > max_line:
+            carry, overlong = b"", True
+        else:
+            carry += tail
+        yield lines
+    if carry or overlong:
+        raise MasterError("get_all_keys: last line not terminated", "truncated")
 
 
 def _check(resp: httpx.Response, what: str, content_type: str) -> None:

@@ -24,6 +24,7 @@ Rules (see docs/l3-poller.md):
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import time
 from array import array
@@ -91,11 +92,23 @@ class PollStats:
 @dataclass
 class Blocks:
     """Result of one poll: ``per_ip`` (scope segment) or ``pool`` (scope pool) block hashes,
-    as arrays of distinct u64 (8 bytes each: the writer keeps every master's last result)."""
+    as **sorted** arrays of distinct u64 (8 bytes each: the writer keeps every master's last
+    result). Sorted so that equal content has equal bytes, whatever order the master listed
+    its keys in: :meth:`digest` is what the writer compares to skip unchanged sets."""
 
     per_ip: dict[str, array[int]]
     pool: array[int] | None
     complete: int
+    _digests: dict[str | None, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def digest(self, ip: str | None) -> bytes:
+        """blake2b-128 of the sorted hashes of ``ip`` (``None`` = the pool), computed once."""
+        found = self._digests.get(ip)
+        if found is None:
+            hashes = self.pool if ip is None else self.per_ip.get(ip)
+            data = b"" if hashes is None else hashes.tobytes()
+            found = self._digests[ip] = hashlib.blake2b(data, digest_size=16).digest()
+        return found
 
 
 class MasterIndex:
@@ -206,7 +219,7 @@ class MasterIndex:
         if scope == "pool":
             pool = {ck & U64_MASK for ck in self.keys if head_of[ck >> 64] in single
                     or (head_of[ck >> 64] << 64 | ck & U64_MASK) in complete}
-            return Blocks({}, array("Q", pool), n)
+            return Blocks({}, array("Q", sorted(pool)), n)
         per_ip: dict[str, set[int]] = {}
         loc_ips = self._loc_ips
         for ck, loc in self.keys.items():
@@ -218,7 +231,7 @@ class MasterIndex:
                 continue
             for ip in ips:
                 per_ip.setdefault(ip, set()).add(ck & U64_MASK)
-        return Blocks({ip: array("Q", per_ip.pop(ip)) for ip in list(per_ip)}, None, n)
+        return Blocks({ip: array("Q", sorted(per_ip.pop(ip))) for ip in list(per_ip)}, None, n)
 
     def _completeness(self) -> tuple[set[int], dict[int, int], int]:
         """(heads with one namespace — all their keys are complete blocks, the complete

@@ -18,6 +18,7 @@ class PollerMetrics:
     locate_calls: Counter
     poll_seconds: Histogram
     write_seconds: Histogram
+    sets_written: Counter
     errors: Counter
     master_keys: Gauge
     master_blocks: Gauge
@@ -43,6 +44,8 @@ class PollerMetrics:
                                      ["master"], buckets=_POLL_BUCKETS),
             write_seconds=r.histogram(p + "write_seconds", "Redis write of all instances' sets",
                                       buckets=_POLL_BUCKETS),
+            sets_written=r.counter(p + "sets_written_total",
+                                   "instance L3 sets rewritten (unchanged ones are skipped)"),
             errors=r.counter(p + "errors_total", "failed polls and writes by reason",
                              ["master", "reason"]),
             master_keys=r.gauge(p + "master_keys", "parsed keys in the last good poll",

@@ -137,12 +137,13 @@ class MasterPoller:
     def poll_once(self) -> MasterView:
         """One poll; raises :class:`MasterError` and leaves the index unchanged on failure."""
         started = time.monotonic()
+        gens = self.writer.generations()  # before listing: data never outlives its pod
         segmap = self._segments()
         self.index.begin(segmap)
         try:
             pending = _Pending(self.cfg.batch_size, [], [], [])
             deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
-            for lines in self.client.iter_keys(deadline):
+            for lines in self.client.iter_keys(deadline, self.index.stats.skipped):
                 for key, key_id in self.index.feed(lines):
                     pending.add(key, key_id)
                 if self.stop.is_set():
@@ -164,7 +165,8 @@ class MasterPoller:
         m.master_keys.set(len(self.index.keys), master=url)
         m.master_blocks.set(blocks.complete, master=url)
         m.poll_seconds.observe(time.monotonic() - started, master=url)
-        return MasterView(blocks, frozenset(segmap.attached), int(time.time() * 1000))
+        return MasterView(blocks, frozenset(segmap.attached), int(time.time() * 1000),
+                          gens=gens)
 
     def _segments(self) -> SegmentMap:
         return SegmentMap(self.client.segments(), self.client.segments_detail())

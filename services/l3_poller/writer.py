@@ -2,14 +2,21 @@
 
 Masters are polled independently; each successful poll (or a master's state being dropped
 or removed) publishes a :class:`MasterView`, and the writer then replaces the L3 set of
-*every* registered instance (``Store.replace_l3``: staged and renamed, so readers never
-see half a set; an instance with nothing gets an empty set). Writes are serialised by one
-lock so two masters' publications cannot interleave and leave an older union behind.
+every registered instance **whose content or state changed** (``Store.replace_l3``: staged
+and renamed, so readers never see half a set; an instance with nothing gets an empty set).
+"Changed" is decided without touching Redis: per instance the writer remembers the
+generation, masters, stale flag and the blake2b digest of each master's (sorted) part it
+last wrote; a new generation, a failed write (Redis error, refused) or :data:`REWRITE_AFTER`
+forces a rewrite. In scope pool every attached instance's set is the whole pool, so
+skipping unchanged sets is what keeps steady-state polls from re-adding the pool N times.
+Writes are serialised by one lock so two masters' publications cannot interleave and leave
+an older union behind.
 
-State hash per instance: ``master`` (comma-separated masters it is attached to),
-``updated_ms`` (when the oldest of those masters was last polled successfully),
-``blocks`` and ``stale`` (``1`` when a master it is attached to was dropped after
-``ingest.l3.staleAfter`` without a good poll).
+State hash per instance, written with the set: ``master`` (comma-separated masters it is
+attached to), ``updated_ms`` (when the oldest of those masters had last been polled
+successfully; refreshed on every poll, also when the set itself is unchanged and not
+rewritten), ``blocks`` and ``stale`` (``1`` when a master it is attached to was
+dropped after ``ingest.l3.staleAfter`` without a good poll).
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 
 import redis
 
@@ -30,6 +37,11 @@ from services.l3_poller.metrics import PollerMetrics
 
 logger = logging.getLogger(__name__)
 
+REWRITE_AFTER = 600.0
+"""Seconds after which an unchanged set is written again anyway: a safety net bounding how
+long a set that Redis lost behind our back (e.g. a manual DEL) stays lost. A Redis that
+restarts empty is already covered: re-registration gives every instance a new generation."""
+
 
 @dataclass(frozen=True)
 class MasterView:
@@ -39,10 +51,13 @@ class MasterView:
     attached: frozenset[str]
     polled_ms: int
     stale: bool = False
+    gens: Mapping[str, int] = field(default_factory=dict)
+    """Each registered instance's generation when the poll began (canonical IP → gen)."""
 
     def dropped(self) -> MasterView:
         """The view after ``staleAfter``: no blocks, same attachment, flagged stale."""
-        return MasterView(Blocks({}, array("Q"), 0), self.attached, self.polled_ms, stale=True)
+        return MasterView(Blocks({}, array("Q"), 0), self.attached, self.polled_ms,
+                          stale=True, gens=self.gens)
 
 
 class L3Writer:
@@ -54,6 +69,8 @@ class L3Writer:
         self._views: dict[str, MasterView] = {}
         self._owners: dict[str, object] = {}
         self._state = StateLog(logger, "l3 writer")
+        self._written: dict[str, tuple[object, float]] = {}
+        """Registered IP → (what was last written: gen, masters, stale, part digests; when)."""
 
     def enroll(self, master: str, owner: object) -> None:
         """Accept publications for ``master`` from ``owner`` (its current poll thread) only."""
@@ -76,20 +93,41 @@ class L3Writer:
             self._views.pop(master, None)
             return self._write_all()
 
+    def generations(self) -> dict[str, int]:
+        """Registered instances' generations (canonical IP → gen), taken when a poll begins."""
+        return {canonical_ip(i.ip): i.gen for i in self._store.list_instances()}
+
     def _write_all(self) -> bool:
         started = time.monotonic()
+        written = 0
         try:
-            ips = sorted(self._store.instance_ips())
-            fallback = self._pool_fallback({canonical_ip(ip) for ip in ips})
-            for ip in ips:
-                hashes, state = self._merge(canonical_ip(ip), fallback)
-                self._store.replace_l3(ip, hashes, state)
+            instances = self._store.list_instances()
+            fallback = self._pool_fallback({canonical_ip(i.ip) for i in instances})
+            for inst in instances:
+                parts, masters, polled, stale = self._parts(canonical_ip(inst.ip), inst.gen,
+                                                            fallback)
+                mark = (inst.gen, masters, stale, tuple((url, d) for url, d, _ in parts))
+                last = self._written.pop(inst.ip, None)
+                if last is not None and last[0] == mark and started - last[1] < REWRITE_AFTER:
+                    self._written[inst.ip] = last  # same gen, masters, flag and content
+                    if polled:
+                        self._store.touch_l3_state(
+                            inst.ip, {"updated_ms": str(min(polled))}, inst.gen)
+                    continue
+                hashes, state = self._merge(parts, masters, polled, stale)
+                if self._store.replace_l3(inst.ip, hashes, state, gen=inst.gen):
+                    self._written[inst.ip] = (mark, started)
+                written += 1
         except redis.RedisError as exc:
+            self._written.clear()  # whatever Redis holds now, the next write redoes it all
             self._metrics.errors.inc(master="", reason="redis")
             self._state.set("failing", repr(exc), logging.WARNING)
             return False
+        for ip in self._written.keys() - {i.ip for i in instances}:
+            del self._written[ip]
         self._metrics.write_seconds.observe(time.monotonic() - started)
-        self._state.set("writing", f"{len(ips)} instances")
+        self._metrics.sets_written.inc(written)
+        self._state.set("writing", f"{len(instances)} instances")
         return True
 
     def _pool_fallback(self, registered: set[str]) -> str | None:
@@ -101,16 +139,23 @@ class L3Writer:
         (url, view), = self._views.items()
         return None if view.attached & registered else url
 
-    def _merge(self, ip: str, fallback: str | None) -> tuple[Collection[int], dict[str, str]]:
-        parts: list[array[int]] = []
+    def _parts(self, ip: str, gen: int, fallback: str | None) -> tuple[
+            list[tuple[str, bytes, array[int]]], tuple[str, ...], list[int], bool]:
+        """What each master gives ``ip``: (url, digest, hashes) per non-empty part, the
+        masters it is attached to, when they were polled, and whether one was dropped."""
+        parts: list[tuple[str, bytes, array[int]]] = []
         masters: list[str] = []
         polled: list[int] = []
         stale = False
         for url, view in self._views.items():
+            if view.gens.get(ip) != gen:
+                continue  # polled for an earlier pod on this IP (or before it registered)
             if self._scope == "pool":
                 mine = ip in view.attached or url == fallback
+                key = None
                 hashes = view.blocks.pool if mine else None
             else:
+                key = ip
                 hashes = view.blocks.per_ip.get(ip)
                 mine = ip in view.attached or hashes is not None
             if not mine:
@@ -119,8 +164,14 @@ class L3Writer:
             polled.append(view.polled_ms)
             stale |= view.stale
             if hashes:
-                parts.append(hashes)
-        merged: Collection[int] = parts[0] if len(parts) == 1 else set().union(*parts)
+                parts.append((url, view.blocks.digest(key), hashes))
+        return parts, tuple(masters), polled, stale
+
+    @staticmethod
+    def _merge(parts: list[tuple[str, bytes, array[int]]], masters: tuple[str, ...],
+               polled: list[int], stale: bool) -> tuple[Collection[int], dict[str, str]]:
+        merged: Collection[int] = (
+            parts[0][2] if len(parts) == 1 else set().union(*(p[2] for p in parts)))
         state = {
             "master": ",".join(masters),
             "updated_ms": str(min(polled) if polled else int(time.time() * 1000)),

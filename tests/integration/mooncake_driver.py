@@ -10,14 +10,14 @@ interfaces (tests/integration/test_l3_mooncake.py starts it under ``unshare -n``
 per "pod" (127.0.0.2 = A, 127.0.0.3 = B; 127.0.0.4 = C is registered but has no segment),
 and ``cache-indexer l3-poll``; it writes vLLM keys built from the project's own block hashes
 and reads what the API would (``Store.prefix_lengths``). It waits only for the poller to
-have polled again (``updated_ms``), never for an expected value: the test asserts those.
+have polled and written again (``write_seconds_count``), never for an expected value: the
+test asserts those.
 A ``client`` reads JSON commands on stdin (put/remove) and answers one JSON line each.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import signal
@@ -152,15 +152,13 @@ class Scenario:
     # -- observations ------------------------------------------------------------------
 
     def settle(self, polls: int = 2) -> None:
-        """Wait until the poller has finished ``polls`` polls that started after now."""
-        mark = int(time.time() * 1000)
-        for _ in range(polls):
-            mark = wait_for(functools.partial(self._polled_after, mark), timeout=15,
-                            what="a poll")
-
-    def _polled_after(self, mark: int) -> int:
-        updated = int(self.store.l3_state(A).get("updated_ms", 0))
-        return updated if updated > mark else 0
+        """Wait until the poller has finished ``polls`` polls (and their Redis writes)
+        since now. Counted with the writer's metric, not ``updated_ms``: an unchanged set
+        is not rewritten, so its state hash does not move."""
+        mark = wait_for(lambda: (self.counter("write_seconds_count"),),
+                        what="the poller's metrics")[0]
+        wait_for(lambda: self.counter("write_seconds_count") >= mark + polls, timeout=15 * polls,
+                 what=f"{polls} polls")
 
     def ratios(self, tokens: list[int]) -> dict[str, float]:
         """The hit-rate API's L3 read: longest run from block 0, over the block count."""
@@ -171,7 +169,8 @@ class Scenario:
     def counter(self, name: str) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"cache_indexer_l3_{name}{{"))
+                   if line.startswith((f"cache_indexer_l3_{name}{{",
+                                       f"cache_indexer_l3_{name} ")))
 
     def run(self) -> None:
         p1, p2, p3 = prompt(1, 8), prompt(2, 6), prompt(3, 8)

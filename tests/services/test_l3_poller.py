@@ -287,3 +287,32 @@ def test_command_exposes_metrics(redis_server: object, master: FakeMaster, tmp_p
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err.decode()[-2000:]
+
+
+@pytest.mark.parametrize("version", ["0.3.13", "0.3.8"])
+def test_overlong_lines_and_malformed_locate_bodies(harness_factory: Callable[..., Harness],
+                                                   version: str) -> None:
+    """A 1 MiB key line is skipped and counted; a body that is one 16 MiB line fails the
+    poll as truncated, a malformed ``/batch_query_keys`` or ``/query_key`` body as garbage
+    (0.3.8 has no batch endpoint: ``/query_key`` per key)."""
+    master = FakeMaster(version).start()
+    try:
+        populate(master)
+        master.put("x" * (1 << 20))
+        h = harness_factory(stale_after=Duration(30))
+        h.register(POD_A, POD_B)
+        h.start(master)
+        h.wait_members(POD_A, set(INTS[:4]))
+        assert h.metrics.keys_skipped.value(master=master.url, reason="too_long") >= 1
+        errors = h.metrics.errors.value
+        master.fault = "one_line"
+        wait_for(lambda: errors(master=master.url, reason="truncated") >= 1, what="truncated")
+        master.fault = "bad_locate"
+        master.put(vkey(6), master.segments[f"{POD_A}:12300"])  # must be located: bad answer
+        wait_for(lambda: errors(master=master.url, reason="garbage") >= 1, what="garbage")
+        assert h.members(POD_A) == set(INTS[:4])  # failed polls change nothing
+        assert errors(master=master.url, reason="KeyError") == 0
+        master.fault = None
+        h.wait_members(POD_A, {*INTS[:4], INTS[6]})
+    finally:
+        master.stop()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from services.l3_poller.client import (
     MasterError,
     parse_batch_body,
+    split_lines,
     parse_query_key_body,
     parse_segments_body,
     parse_segments_detail,
@@ -134,3 +137,71 @@ def test_captured_get_all_keys_bodies_are_newline_terminated() -> None:
     for capture in (OLD, NEW):
         body = _body(capture["get_all_keys"])
         assert body.endswith(b"\n") and body.count(b"\n") == len(set(capture["keys"]))
+
+
+@pytest.mark.parametrize("body", [
+    b'{"success":true}', b'{"success":true,"data":null}', b'{"success":true,"data":{}}',
+    b'{"success":true,"data":[1]}', b'{"success":true,"data":["a:1"]}', b'{"success":"yes"}',
+    b'{"success":true,"data":[{"transport_endpoint_":"a:1"},null]}', b'[1,2]', b'"text"',
+    b'42', b'{"transport_endpoint_":"a:1"}\n[]\n', b'{"a":1}\nnot json\n',
+])
+def test_malformed_query_key_bodies_are_garbage(body: bytes) -> None:
+    with pytest.raises(MasterError) as exc:
+        parse_query_key_body(200, body)
+    assert exc.value.reason == "garbage"
+
+
+@pytest.mark.parametrize("body", [
+    b'{"success":true,"data":null}', b'{"success":true,"data":[]}', b'{"success":1,"data":{}}',
+    b'{"success":true,"data":{"k":null}}', b'{"success":true,"data":{"k":[1]}}',
+    b'{"success":true,"data":{"k":{"ok":true,"values":[null]}}}',
+    b'{"success":true,"data":{"k":{"ok":true,"values":{"a":1}}}}',
+    b'{"success":true,"data":{"k":{"ok":true,"values":[],"local_disk_values":"x"}}}',
+    b'null', b'[{"success":true}]',
+])
+def test_malformed_batch_bodies_are_garbage(body: bytes) -> None:
+    with pytest.raises(MasterError) as exc:
+        parse_batch_body(body)
+    assert exc.value.reason == "garbage"
+
+
+def test_null_or_non_string_endpoints_are_left_out() -> None:
+    body = (b'{"success":true,"data":[{"transport_endpoint_":null},'
+            b'{"transport_endpoint_":5},{"size_":1},{"transport_endpoint_":"a:1"}]}')
+    assert parse_query_key_body(200, body) == ("a:1",)
+    assert parse_query_key_body(200, b'{"transport_endpoint_":null}\n') == ()
+    batch = (b'{"success":true,"data":{"k":{"ok":true,"values":[{"transport_endpoint_":null}],'
+             b'"local_disk_values":[{"transport_endpoint":"b:2"},{"transport_endpoint":[]}]},'
+             b'"n":{"ok":true,"values":[{"transport_endpoint_":null}]}}}')
+    assert parse_batch_body(batch) == {"k": ("b:2",), "n": ()}
+    assert parse_segments_detail(
+        b'{"segments":[{"te_endpoint":null,"segment_name":"s"}]}') == {}
+
+
+def _lines(chunks: list[bytes], max_line: int = 8) -> tuple[list[bytes], Counter[str]]:
+    skipped: Counter[str] = Counter()
+    return [x for lines in split_lines(chunks, skipped, max_line) for x in lines], skipped
+
+
+def test_split_lines_across_chunks_and_overlong_lines() -> None:
+    assert _lines([b"ab\ncd", b"ef\n", b"\n"]) == ([b"ab", b"cdef", b""], Counter())
+    lines, skipped = _lines([b"ok\n0123", b"456789", b"AB\nfine\n0123456789ABC\nend\n"])
+    assert lines == [b"ok", b"fine", b"end"] and skipped["too_long"] == 2
+    with pytest.raises(MasterError) as exc:
+        _lines([b"ok\n0123456789"])
+    assert exc.value.reason == "truncated"
+
+
+def test_a_body_without_newlines_is_streamed_in_bounded_memory() -> None:
+    """64 MiB with no newline: before the cap this buffered (and re-copied) all of it."""
+    chunk = b"k" * (1 << 16)
+    skipped: Counter[str] = Counter()
+    tracemalloc.start()
+    try:
+        out = [x for lines in split_lines([*(chunk,) * 1024, b"\nkey\n"], skipped)
+               for x in lines]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out == [b"key"] and skipped["too_long"] == 1
+    assert peak < 1 << 20, f"peak {peak} bytes"

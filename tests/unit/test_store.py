@@ -227,3 +227,11 @@ def test_a_failed_removal_is_retried_by_the_next_reconcile(store: Store) -> None
     store.r.delete(keys.l1_state(IP))
     assert store.remove_instance(IP)
     assert IP not in store.instance_ips()
+
+
+def test_touch_l3_state_is_fenced_by_generation(store: Store) -> None:
+    gen = _register(store)
+    store.replace_l3(IP, [1], {"updated_ms": "1"}, gen=gen)
+    assert store.touch_l3_state(IP, {"updated_ms": "2"}, gen)
+    assert not store.touch_l3_state(IP, {"updated_ms": "3"}, gen + 1)
+    assert store.l3_state(IP)["updated_ms"] == "2" and store.l3_members(IP) == {1}

@@ -1,0 +1,119 @@
+"""L3Writer against a real redis-server: unchanged sets are not rewritten, and what forces a
+rewrite (new content, a new generation, a Redis error, a refused write)."""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections import Counter
+from collections.abc import Collection, Iterable
+
+import pytest
+import redis
+
+from common.store import Instance, Store
+from services.l3_poller.index import Blocks
+from services.l3_poller.metrics import PollerMetrics
+from services.l3_poller.writer import L3Writer, MasterView
+
+POD_A, POD_B = "10.0.0.1", "10.0.0.2"
+MASTER = "http://m:9003"
+
+
+class CountingStore(Store):
+    """A real store that counts set replacements and can be made to fail them."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__(client)
+        self.replaced: Counter[str] = Counter()
+        self.fail = False
+        self.refuse: set[str] = set()
+
+    def replace_l3(self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None,
+                   gen: int | None = None) -> bool:
+        if self.fail:
+            raise redis.ConnectionError("injected")
+        self.replaced[ip] += 1
+        if ip in self.refuse:  # what the script answers when the generation moved meanwhile
+            return False
+        return super().replace_l3(ip, hashes, state, gen=gen)
+
+
+@pytest.fixture()
+def store(redis_client: redis.Redis) -> CountingStore:
+    s = CountingStore(redis_client)
+    for ip in (POD_A, POD_B):
+        s.upsert_instance(Instance(ip=ip, uid=f"uid-{ip}"))
+    return s
+
+
+def pool_view(writer: L3Writer, hashes: Collection[int], polled_ms: int) -> MasterView:
+    """A fresh view (new array object, new poll time) as each poll publishes."""
+    return MasterView(Blocks({}, array("Q", sorted(hashes)), len(hashes)),
+                      frozenset({POD_A, POD_B}), polled_ms, gens=writer.generations())
+
+
+def test_pool_scope_skips_unchanged_sets(store: CountingStore) -> None:
+    metrics = PollerMetrics.register()
+    writer = L3Writer(store, "pool", metrics)
+    writer.enroll(MASTER, "owner")
+    pool = set(random.Random(1).sample(range(1, 1 << 62), 2000))
+    assert writer.publish(MASTER, pool_view(writer, pool, 1), "owner")
+    assert store.replaced == {POD_A: 1, POD_B: 1}
+    for polled in range(2, 5):  # steady state: same content, only the poll time moves
+        assert writer.publish(MASTER, pool_view(writer, pool, polled), "owner")
+    assert store.replaced == {POD_A: 1, POD_B: 1}
+    assert metrics.sets_written.value() == 2
+    assert store.l3_members(POD_A) == pool == store.l3_members(POD_B)
+
+    pool.add(7)  # one block more: both sets rewritten
+    assert writer.publish(MASTER, pool_view(writer, pool, 5), "owner")
+    assert store.replaced == {POD_A: 2, POD_B: 2}
+    assert store.l3_members(POD_B) == pool
+
+    # a Redis error in the middle of a write: everything is rewritten next time, even the
+    # content that was written before the failed attempt
+    store.fail = True
+    assert not writer.publish(MASTER, pool_view(writer, pool - {7}, 6), "owner")
+    store.fail = False
+    assert writer.publish(MASTER, pool_view(writer, pool, 7), "owner")
+    assert store.replaced == {POD_A: 3, POD_B: 3}
+
+    # a new pod on A's IP (new generation): A is rewritten, B is not
+    store.upsert_instance(Instance(ip=POD_A, uid="uid-new-pod"))
+    assert store.l3_members(POD_A) == set()  # the replacement dropped the old pod's data
+    assert writer.publish(MASTER, pool_view(writer, pool, 8), "owner")
+    assert store.replaced == {POD_A: 4, POD_B: 3}
+    assert store.l3_members(POD_A) == pool
+
+    # the stale flag is state: dropping the master rewrites both sets
+    assert writer.publish(MASTER, pool_view(writer, pool, 9).dropped(), "owner")
+    assert store.replaced == {POD_A: 5, POD_B: 4}
+    assert store.l3_state(POD_B)["stale"] == "1" and store.l3_members(POD_B) == set()
+
+
+def test_a_refused_write_is_not_remembered(store: CountingStore) -> None:
+    writer = L3Writer(store, "pool", PollerMetrics.register())
+    writer.enroll(MASTER, "owner")
+    store.refuse.add(POD_A)
+    assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 1), "owner")
+    store.refuse.clear()
+    assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 2), "owner")
+    assert store.replaced == {POD_A: 2, POD_B: 1}
+    assert store.l3_members(POD_A) == {1, 2, 3}
+
+
+def test_segment_scope_rewrites_only_the_instance_that_changed(store: CountingStore) -> None:
+    writer = L3Writer(store, "segment", PollerMetrics.register())
+    writer.enroll(MASTER, "owner")
+
+    def view(a: set[int], b: set[int], polled: int) -> MasterView:
+        per_ip = {POD_A: array("Q", sorted(a)), POD_B: array("Q", sorted(b))}
+        return MasterView(Blocks(per_ip, None, len(a | b)), frozenset({POD_A, POD_B}), polled,
+                          gens=writer.generations())
+
+    assert writer.publish(MASTER, view({1, 2}, {3}, 1), "owner")
+    assert writer.publish(MASTER, view({1, 2}, {3}, 2), "owner")
+    assert writer.publish(MASTER, view({1, 2}, {3, 4}, 3), "owner")
+    assert store.replaced == {POD_A: 1, POD_B: 2}
+    assert store.l3_members(POD_B) == {3, 4} and store.l3_state(POD_B)["blocks"] == "2"
