@@ -117,7 +117,8 @@ def _over_http(url: str, body: bytes, requests: int, clients: int) -> tuple[floa
     return len(latencies) / elapsed, latencies
 
 
-def _naive_lengths(client: redis.Redis, ips: list[str], members: list[bytes]) -> list[tuple[int, int]]:
+def _naive_lengths(client: redis.Redis, ips: list[str],
+                   members: list[bytes]) -> list[tuple[int, int]]:
     out = []
     for ip in ips:
         runs = []

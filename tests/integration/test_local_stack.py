@@ -18,7 +18,8 @@ def _port_closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path,
+                                            subprocess_env: dict[str, str]) -> None:
     api, redis_port, master = free_port(), free_port(), free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "local-stack", "--workdir", str(tmp_path),
@@ -26,7 +27,7 @@ def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path, subprocess_env: dic
          "--duration", "1"],
         cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("answer: "))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("answer: "))
     answer = json.loads(line[len("answer: "):])
     assert answer["status"] == 0
     pod_a, pod_b = answer["server_score_list"]

@@ -77,11 +77,13 @@ def test_defaults_for_every_key_and_env_overrides(tmp_path: Path) -> None:
     assert cfg.log.level == "debug"
     assert cfg.http.addr == ":28080" and cfg.block_key.vllm_version == "0.28.0"
     assert cfg.discovery.labels.pd_role_value == ["prefill", "aggregate"]
-    assert load_config(None, env={}).discovery.labels.pd_role_value is not cfg.discovery.labels.pd_role_value
+    fresh = load_config(None, env={})
+    assert fresh.discovery.labels.pd_role_value is not cfg.discovery.labels.pd_role_value
 
 
 def test_all_problems_are_reported_with_key_names(tmp_path: Path) -> None:
-    bad = "http:\n  bogus: 1\n  readTimeout: 10x\n  maxHeaderBytes: '12'\ningest:\n  l3: {scope: foo}\nfoo: 1\n"
+    bad = ("http:\n  bogus: 1\n  readTimeout: 10x\n  maxHeaderBytes: '12'\n"
+           "ingest:\n  l3: {scope: foo}\nfoo: 1\n")
     with pytest.raises(ConfigError) as err:
         load_config(_write(tmp_path, bad), env={})
     text = str(err.value)

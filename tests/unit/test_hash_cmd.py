@@ -1,4 +1,4 @@
-"""``cache-indexer hash`` run as a real subprocess: vLLM's golden hashes, exit codes, no tracebacks."""
+"""``cache-indexer hash`` as a real subprocess: vLLM's golden hashes, exit codes, no tracebacks."""
 
 from __future__ import annotations
 
