@@ -13,6 +13,11 @@ Kubernetes mode: an entry that disappears is removed from the registry with its 
 An entry's uid is ``static:<ip>|<zmqEndpoint>|<replayEndpoint>``, so changing an entry's
 endpoints registers a new instance (old data dropped) while changing its name, role or
 DP size only updates it. ``ip`` may be left out; it is then the host of ``zmqEndpoint``.
+
+An entry whose ZMQ or replay endpoint an ingester cannot connect to (a wildcard host such as
+vLLM's own ``tcp://*:5557``, a tcp endpoint without a port: see
+:func:`services.discovery.endpoints.endpoint_problem`) is logged and left out; the other
+entries are applied. Entries that do not parse at all make the whole file invalid.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from urllib.parse import urlsplit
 from common.config import Config, Static, load_config
 from common.errors import ConfigError
 from common.store import Instance
+from services.discovery.endpoints import endpoint_problem
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.pods import master_json
 from services.discovery.reconcile import Desired
@@ -53,6 +59,8 @@ def desired_from(static: Static) -> Desired:
             problems.append(f"{where}.ip: {ip} is listed twice")
         if e.data_parallel_size < 1:
             problems.append(f"{where}.dataParallelSize: must be >= 1")
+        if _unconnectable(where, e.zmq_endpoint, e.replay_endpoint):
+            continue
         instances[ip] = Instance(
             ip=ip, uid=static_uid(ip, e.zmq_endpoint, e.replay_endpoint), pod=e.name,
             zmq_endpoint=e.zmq_endpoint, replay_endpoint=e.replay_endpoint,
@@ -67,6 +75,18 @@ def desired_from(static: Static) -> Desired:
     if problems:
         raise ConfigError("invalid static discovery: " + "; ".join(problems))
     return Desired(instances=instances, masters=masters)
+
+
+def _unconnectable(where: str, zmq_endpoint: str, replay_endpoint: str) -> bool:
+    """Log and return True when an ingester could not connect to one of the endpoints."""
+    skip = False
+    for field, endpoint in (("zmqEndpoint", zmq_endpoint), ("replayEndpoint", replay_endpoint)):
+        problem = endpoint_problem(endpoint) if endpoint and "://" in endpoint else None
+        if problem:
+            logger.error("static discovery: %s.%s %r %s; entry skipped", where, field, endpoint,
+                         problem)
+            skip = True
+    return skip
 
 
 def _host(url: str) -> str | None:

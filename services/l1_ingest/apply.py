@@ -9,9 +9,11 @@ Pure (no I/O), so every rule here is unit-tested directly:
   - **KV-cache group.** An event is indexed only when it belongs to the full-attention group a
     prefix hit is computed on: ``group_idx`` is ``None`` or ``0`` *and* ``kv_cache_spec_kind`` is
     ``None`` or one of :data:`FULL_ATTENTION_KINDS`. Old versions send neither field (plain
-    models have only group 0). Hybrid models whose group 0 is not full attention (sliding
-    window, mamba, …) are deliberately under-reported rather than over-reported: a sliding-
-    window group drops old blocks, so its hashes say nothing about a reusable prefix.
+    models have only group 0). From vLLM 0.22 (which sends the kind), hybrid models whose
+    group 0 is not full attention (sliding window, mamba, …) are under-reported rather than
+    over-reported: a sliding-window group drops old blocks, so its hashes say nothing about a
+    reusable prefix. vLLM 0.20–0.21 send ``group_idx`` without the kind, so such a group 0 is
+    indexed there; before 0.20 every group is (no ``group_idx``).
   - **Placeholders** (``token_ids == []`` and ``block_size == 0``, emitted by connectors) are
     not indexed. ``AllBlocksCleared`` clears tier ``l1`` of the batch's rank only: it carries no
     medium and is only emitted by the GPU block pool's ``reset_prefix_cache``.

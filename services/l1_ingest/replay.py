@@ -44,7 +44,10 @@ def parse_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
 
 
 class ReplayRequest:
-    """One in-flight replay over a fresh DEALER socket (closed when the request ends)."""
+    """One in-flight replay over a fresh DEALER socket (closed when the request ends).
+
+    Raises ``zmq.ZMQError`` (and leaks no socket) when ZMQ cannot connect to ``endpoint``.
+    """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int,
                  timeout: float) -> None:
@@ -56,10 +59,14 @@ class ReplayRequest:
         self.done = False
         self.complete = False
         self.socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.connect(endpoint)
-        self.socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        try:
+            self.socket.setsockopt(zmq.LINGER, 0)
+            self.socket.setsockopt(zmq.RCVHWM, 0)
+            self.socket.connect(endpoint)  # EINVAL for tcp://*:port or a missing port
+            self.socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        except zmq.ZMQError:
+            self.socket.close(linger=0)
+            raise
         logger.debug("replay from %d requested at %s", start_seq, endpoint)
 
     def read(self) -> bool:

@@ -11,16 +11,30 @@ next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True`
 A payload that is not an EventBatch is dropped and counted, but its sequence is still
 recorded (an empty write): vLLM sent it, replaying it would return the same bytes, and
 treating it as a gap would clear or flag the index for nothing.
+
+**Continuity.** Every replay asks from the last applied sequence itself (not the one after)
+and the stream remembers a short digest of the payload it applied there. A reply that lacks
+that sequence, or holds different bytes at it, shows the publisher restarted (vLLM does not
+persist its sequence, and every payload carries a timestamp): the rank is reset and replayed
+from 0. The digest lives in memory only (the subscriber hands it to the next session of the
+same rank and generation); after an ingester restart it is unknown, and a vLLM that restarted
+meanwhile and already published past our sequence is taken for the one we followed. A replay
+that starts above the sequence asked for (trimmed buffer, spec §1.3) is an unrecoverable gap.
+
+A replay endpoint ZMQ cannot connect to (``tcp://*:port``, no port) makes replay unavailable
+for the session: logged once, and every gap is handled by the policy above.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
 import zmq
 
 from common.errors import NotABatchError
+from common.lifecycle import StateLog
 from common.events import decode_batch
 from common.store import Instance, Store, TierOps
 from services.l1_ingest.apply import (
@@ -54,21 +68,32 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return endpoint
 
 
+def payload_digest(payload: bytes) -> bytes:
+    """8 bytes identifying a payload (compared with the replayed batch at the same seq)."""
+    return hashlib.blake2b(payload, digest_size=8).digest()
+
+
 class RankStream:
     """Sequence state and writes of one instance rank for one subscription session."""
 
     def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
                  *, owner: str, gap_policy: str, replay_timeout: float,
-                 metrics: IngestMetrics) -> None:
+                 metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None) -> None:
         self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
         self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
         self.metrics = metrics
         self.name = f"{inst.ip}/r{rank}"
         self.replay_endpoint = rank_endpoint(inst.replay_endpoint, rank)
         self.cursor = Cursor(applied=store.last_seq(inst.ip, rank))
+        # (seq, payload digest) of the last batch applied; a previous session's only if it
+        # is still the store's last sequence
+        self.digest = last_digest if last_digest and last_digest[0] == self.cursor.applied \
+            else None
         self.replay: ReplayRequest | None = None
         self.pending: tuple[int, bytes] | None = None
         self.fenced = ""
+        self._replay_state = StateLog(logger, f"{self.name}: replay at {self.replay_endpoint!r}")
+        self._replay_state.state = "available"  # only a change from here is logged
 
     @property
     def paused(self) -> bool:
@@ -82,11 +107,11 @@ class RankStream:
 
         Asking from ``applied`` rather than ``applied + 1`` makes the reply prove continuity:
         a publisher always buffers its newest batch, which is >= ``applied`` if it is the one
-        we followed, so an empty reply means vLLM restarted while we were not connected.
+        we followed, so an empty reply means vLLM restarted while we were not connected, and
+        so does a batch at ``applied`` whose digest is not the one we applied.
         """
-        if self.replay_endpoint and not self.paused:
-            applied = self.cursor.applied
-            self._start_replay(applied if applied is not None and applied >= 0 else 0, None)
+        if not self.paused:
+            self._start_replay(self._replay_start(), None)
 
     def on_live(self, seq: int, payload: bytes) -> None:
         verdict = classify(self.cursor, seq)
@@ -95,17 +120,16 @@ class RankStream:
                            "dropping the rank's index", self.name, self.cursor.applied, seq)
             self.metrics.restarts.inc()
             self.cursor.mark_restart()
+            self.digest = None
             verdict = APPLY if seq == 0 else GAP
         live_max = self.cursor.live_max
         self.cursor.live_max = seq if live_max is None else max(seq, live_max)
         if verdict == DUPLICATE:
             self.metrics.batches.inc(result="duplicate")
             return
-        expected = self.cursor.expected()
-        if verdict == GAP and self.replay_endpoint and expected is not None:
+        if verdict == GAP and self._start_replay(self._replay_start(), (seq, payload)):
             logger.info("%s: gap before seq %d (last applied %s): replaying",
                         self.name, seq, self.cursor.applied)
-            self._start_replay(expected, (seq, payload))
             return
         self._write_run([(seq, payload)], counting_gap=verdict == GAP)
 
@@ -115,12 +139,17 @@ class RankStream:
         if replay is None:
             return
         self.metrics.replays.inc(result="complete" if replay.complete else "timeout")
-        batches = list(replay.batches)
+        batches = sorted(replay.batches, key=lambda b: b[0])
         held, self.pending = self.pending, None
         logger.info("%s: replay from %d returned %d batches%s", self.name, replay.start_seq,
                     len(batches), "" if replay.complete else " before timing out")
+        if self._other_bytes_at_applied(replay.start_seq, batches):
+            self._restart(f"its batch {replay.start_seq} is not the one applied", held)
+            return
         if held is None and replay.complete and not batches:
             self._empty_catch_up()
+        if self.cursor.applied is None and batches and batches[0][0] > replay.start_seq:
+            self.cursor.applied = replay.start_seq - 1  # joined a trimmed buffer: a gap
         if held is not None:
             batches.append(held)
         self._write_run(batches, counting_gap=held is not None)
@@ -132,6 +161,18 @@ class RankStream:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _replay_start(self) -> int:
+        """Replays start at the last applied sequence (a continuity check), or at 0."""
+        applied = self.cursor.applied
+        return applied if applied is not None and applied >= 0 else 0
+
+    def _other_bytes_at_applied(self, start: int, batches: list[tuple[int, bytes]]) -> bool:
+        """True if the replay holds our last applied sequence with a payload we did not apply."""
+        if self.digest is None or not batches or self.digest[0] != start:
+            return False
+        seq, payload = batches[0]
+        return seq == start and payload_digest(payload) != self.digest[1]
+
     def _empty_catch_up(self) -> None:
         """A connect-time replay found nothing at or after where we stand."""
         applied = self.cursor.applied
@@ -140,21 +181,37 @@ class RankStream:
             # is lost (slow joiner, spec §1.2) the next one shows up as a gap.
             self.cursor.applied = -1
         elif applied >= 0:
-            logger.warning("%s: publisher no longer has seq %d: it restarted, dropping the "
-                           "rank's index", self.name, applied)
-            self.metrics.restarts.inc()
-            self.cursor.mark_restart()
-            result = self.store.apply_batch(self.inst.ip, self.inst.gen, self.rank, -1,
-                                            TierOps(), owner=self.owner, reset=True)
-            if result.status != "applied":
-                self.fenced = result.status
-                return
-            self.cursor.mark_applied(-1)
-            self._start_replay(0, None)  # whatever the new publisher sent so far
+            self._restart(f"it no longer has seq {applied}", None)
 
-    def _start_replay(self, start: int, held: tuple[int, bytes] | None) -> None:
-        self.pending = held
-        self.replay = ReplayRequest(self.ctx, self.replay_endpoint, start, self.replay_timeout)
+    def _restart(self, why: str, held: tuple[int, bytes] | None) -> None:
+        """The publisher restarted while we were away: reset the rank, replay from 0."""
+        logger.warning("%s: publisher restarted (%s): dropping the rank's index and "
+                       "replaying from 0", self.name, why)
+        self.metrics.restarts.inc()
+        self.cursor.mark_restart()
+        self.digest = None
+        result = self.store.apply_batch(self.inst.ip, self.inst.gen, self.rank, -1,
+                                        TierOps(), owner=self.owner, reset=True)
+        if result.status != "applied":
+            self.fenced = result.status
+            return
+        self.cursor.mark_applied(-1)
+        if not self._start_replay(0, held) and held is not None:  # whatever it sent so far
+            self._write_run([held], counting_gap=True)
+
+    def _start_replay(self, start: int, held: tuple[int, bytes] | None) -> bool:
+        """Ask for a replay from ``start`` holding ``held``; False if replay is unavailable."""
+        if not self.replay_endpoint:
+            return False
+        try:
+            replay = ReplayRequest(self.ctx, self.replay_endpoint, start, self.replay_timeout)
+        except zmq.ZMQError as exc:
+            self._replay_state.set("unavailable", f"{exc}; gaps cannot be filled",
+                                   logging.ERROR)
+            return False
+        self._replay_state.set("available")
+        self.pending, self.replay = held, replay
+        return True
 
     def _write_run(self, batches: list[tuple[int, bytes]], *, counting_gap: bool) -> None:
         """Write batches in sequence order; count the gap (if one was seen) by its outcome."""
@@ -188,6 +245,7 @@ class RankStream:
         self.metrics.batches.inc(result=result.status)
         if result.status == "applied":
             self.cursor.mark_applied(step.seq)
+            self.digest = (step.seq, payload_digest(step.payload))
             self._count(plan)
         elif result.status == "duplicate":
             self.cursor.applied = self.store.last_seq(self.inst.ip, self.rank)

@@ -10,8 +10,15 @@ replay), and, while a replay is in flight, that replay's DEALER.
 Live messages must be ``[topic, seq (8 bytes, big-endian), payload]``; anything else is
 counted and dropped. Each batch goes to its :class:`~services.l1_ingest.stream.RankStream`.
 Instances come from :meth:`Subscriber.set_instances` (called by the assignment loop in
-another thread); a changed generation or endpoint resubscribes with fresh state. A Redis
-failure or a refused (fenced) write closes the instance's sockets and retries with backoff.
+another thread); a changed generation or endpoint resubscribes with fresh state. A Redis or
+ZMQ failure or a refused (fenced) write closes the instance's sockets and retries with
+backoff, without holding up the other instances. With no socket to poll (nothing assigned
+yet, every instance waiting to retry) the loop waits on the stop event instead, because
+``zmq.Poller.poll`` returns at once when it has nothing to watch.
+
+What survives a session of a rank (resubscribing after a failure, losing and regaining its
+lease) is the digest of the last payload applied there, kept per (ip, rank, generation), so
+the next session can tell a restarted vLLM from the one it followed (see ``stream``).
 """
 
 from __future__ import annotations
@@ -75,8 +82,11 @@ class Subscriber:
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._by_socket: dict[zmq.Socket[bytes], tuple[str, _Conn]] = {}
         self._retry: dict[str, tuple[float, Backoff]] = {}
+        self._digests: dict[tuple[str, int], tuple[int, int, bytes]] = {}
+        """(ip, rank) → (gen, seq, digest) of the last payload applied by a closed session."""
         self._poller = zmq.Poller()
         self._dirty = True
+        self._idle = threading.Event()  # waited on when run_once is not given a stop event
 
     def set_instances(self, instances: dict[str, Instance]) -> None:
         """Thread-safe: the instances (ip → registry entry) this process must follow."""
@@ -88,17 +98,20 @@ class Subscriber:
         try:
             while not stop.is_set():
                 try:
-                    self.run_once()
+                    self.run_once(stop=stop)
                 except Exception:  # the top of the loop: log, keep serving other instances
                     logger.exception("subscriber loop error")
                     stop.wait(0.1)
         finally:
             self.close()
 
-    def run_once(self, timeout_ms: int = POLL_MS) -> None:
+    def run_once(self, timeout_ms: int = POLL_MS, stop: threading.Event | None = None) -> None:
         self._reconcile()
         if self._dirty:
             self._sync_poller()
+        if not self._poller.sockets:  # poll() would return at once: wait, don't spin
+            (stop or self._idle).wait(self._idle_seconds(timeout_ms))
+            return
         for sock, _ in self._poller.poll(timeout_ms):
             if sock in self._by_socket:
                 self._dispatch(sock)
@@ -110,6 +123,14 @@ class Subscriber:
     def close(self) -> None:
         for ip in list(self._active):
             self._drop(ip)
+
+    def _idle_seconds(self, timeout_ms: int) -> float:
+        """The poll timeout, or less if an instance is due to be retried sooner."""
+        wait = timeout_ms / 1000
+        if self._retry:
+            due = min(at for at, _ in self._retry.values())
+            wait = min(wait, max(0.0, due - time.monotonic()))
+        return wait
 
     # -- instance set ----------------------------------------------------------------------
 
@@ -134,6 +155,7 @@ class Subscriber:
             if ip not in self._active and self._retry.get(ip, (0.0, None))[0] <= now:
                 self._open(inst)
         self._retry = {ip: r for ip, r in self._retry.items() if ip in self._wanted}
+        self._digests = {k: v for k, v in self._digests.items() if k[0] in self._wanted}
 
     def _open(self, inst: Instance) -> None:
         if not inst.zmq_endpoint:
@@ -151,10 +173,12 @@ class Subscriber:
                     inst.zmq_endpoint, inst.dp_size, inst.replay_endpoint or "none", inst.gen)
 
     def _open_rank(self, inst: Instance, rank: int) -> None:
+        gen, seq, digest = self._digests.get((inst.ip, rank), (None, None, b""))
         stream = RankStream(
             inst, rank, self.store, self.ctx, owner=self.owner,
             gap_policy=self.cfg.on_unrecoverable_gap, replay_timeout=self.cfg.replay_timeout,
-            metrics=self.metrics)
+            metrics=self.metrics,
+            last_digest=(seq, digest) if gen == inst.gen and seq is not None else None)
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -185,7 +209,10 @@ class Subscriber:
             self._by_socket.pop(sock, None)
         if conn.connected:
             self.metrics.connected.inc(-1)
-        conn.stream.close()
+        stream = conn.stream
+        if stream.digest is not None:
+            self._digests[(stream.inst.ip, stream.rank)] = (stream.inst.gen, *stream.digest)
+        stream.close()
         conn.sub.disable_monitor()
         conn.monitor.close(linger=0)
         conn.sub.close(linger=0)
@@ -220,19 +247,24 @@ class Subscriber:
         elif kind == "monitor":
             self._guarded(conn, lambda: self._read_monitor(conn))
         else:
-            replay = conn.stream.replay
-            if replay is not None and replay.socket is sock and replay.read():
-                self._guarded(conn, conn.stream.finish_replay)
+            self._guarded(conn, lambda: self._read_replay(conn, sock))
+
+    def _read_replay(self, conn: _Conn, sock: zmq.Socket[bytes]) -> None:
+        replay = conn.stream.replay
+        if replay is not None and replay.socket is sock and replay.read():
+            conn.stream.finish_replay()
 
     def _guarded(self, conn: _Conn, action: Callable[[], None]) -> None:
-        """Run a stream action; on Redis failure or fencing, close the instance and retry."""
+        """Run a stream action; on a Redis or ZMQ failure or fencing, close the instance and
+        retry it later (never raise: the other instances keep being served)."""
         before = (conn.stream.paused, conn.stream.replay)
         ip = conn.stream.inst.ip
         try:
             action()
-        except redis.RedisError as exc:
+        except (redis.RedisError, zmq.ZMQError) as exc:
             self._drop(ip)
-            self._schedule_retry(ip, f"Redis failed: {exc}")
+            what = "Redis" if isinstance(exc, redis.RedisError) else "ZMQ"
+            self._schedule_retry(ip, f"{what} failed: {exc}")
             return
         if conn.stream.fenced:
             self._drop(ip)

@@ -75,12 +75,25 @@ class InProcessIngester:
         self.subscriber = Subscriber(self.store, l1_config(**overrides), self.metrics,
                                      ctx=self.ctx)
         self.stop = threading.Event()
-        self.threads = [
-            threading.Thread(target=self.subscriber.run, args=(self.stop,), daemon=True),
-            threading.Thread(target=self._assign, daemon=True),
-        ]
-        for t in self.threads:
-            t.start()
+        self.threads = [threading.Thread(target=self._assign, daemon=True)]
+        self.threads[0].start()
+        self._sub_stop = threading.Event()
+        self._sub_thread: threading.Thread | None = None
+        self.resume()
+
+    def pause(self) -> None:
+        """Stop the subscriber thread (every socket closes; the Subscriber keeps its memory)."""
+        self._sub_stop.set()
+        if self._sub_thread is not None:
+            self._sub_thread.join(5)
+            self._sub_thread = None
+
+    def resume(self) -> None:
+        """Run the same Subscriber again; the assignment loop hands it its instances."""
+        self._sub_stop = threading.Event()
+        self._sub_thread = threading.Thread(target=self.subscriber.run, args=(self._sub_stop,),
+                                            daemon=True)
+        self._sub_thread.start()
 
     def _assign(self) -> None:
         from common.lifecycle import Backoff
@@ -92,6 +105,7 @@ class InProcessIngester:
 
     def close(self) -> None:
         self.stop.set()
+        self.pause()
         for t in self.threads:
             t.join(5)
         self.ctx.term()

@@ -7,6 +7,7 @@ behaviour (SIGKILL, lease handover, the CLI) is in test_l1_ingest_processes.py.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -17,15 +18,18 @@ import zmq
 
 from common.events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.store import Instance, Store
+from services.l1_ingest.metrics import IngestMetrics
+from services.l1_ingest.subscriber import Subscriber
 from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.publisher import Publisher
 from services.simulator.workload import Workload
-from tests.conftest import DATA, wait_for
+from tests.conftest import DATA, RedisServer, wait_for
 from tests.integration.l1_support import (
     InProcessIngester,
     assert_exact,
     free_ports,
+    l1_config,
     register,
     true_counts,
     wait_quiet,
@@ -301,3 +305,157 @@ def test_real_vllm_frames(redis_client: redis.Redis,
         dealer.close(linger=0)
     finally:
         pub.close()
+
+
+# -- review fixes: idle loop, unconnectable replay, restarts while away, trimmed joins ---------
+
+
+def test_idle_subscriber_waits_instead_of_spinning(redis_client: redis.Redis) -> None:
+    """With no socket to poll (nothing assigned, or every instance waiting to retry) one
+    loop round must take about the poll timeout, not return at once."""
+    sub = Subscriber(Store(redis_client), l1_config(), IngestMetrics(),
+                     ctx=zmq.Context.instance())
+    rounds: list[int] = []
+    for instances in ({}, {IP: Instance(ip=IP, uid="u", gen=1)}):  # the 2nd has no endpoint
+        sub.set_instances(instances)
+        started, cpu, n = time.monotonic(), time.process_time(), 0
+        while time.monotonic() - started < 0.5:
+            sub.run_once()
+            n += 1
+        rounds.append(n)
+        assert time.process_time() - cpu < 0.25, f"{n} rounds burnt CPU"
+    sub.close()
+    assert rounds[0] <= 4, rounds  # 250 ms per round
+    assert rounds[1] <= 12, rounds  # retries every 10..200 ms (backoff 20ms..200ms)
+
+
+@pytest.mark.parametrize("bad", ["tcp://*:5558", "tcp://127.0.0.1"])
+def test_unconnectable_replay_endpoint_applies_the_gap_policy(
+        redis_client: redis.Redis, make_sim: SimFactory,
+        ingester: Callable[..., InProcessIngester], caplog: pytest.LogCaptureFixture,
+        bad: str) -> None:
+    store = Store(redis_client)
+    broken, good = make_sim(replay=False), make_sim()
+    ing = ingester()
+    store.upsert_instance(Instance(ip=IP, uid="u", zmq_endpoint=broken.endpoint.replace(
+        "*", "127.0.0.1"), replay_endpoint=bad))
+    register(store, "127.0.0.12", good)
+    warm_up(store, IP, broken)
+    caplog.set_level("ERROR", logger="services.l1_ingest.stream")
+
+    def stored(h: int) -> list[BlockStored]:
+        return [BlockStored([h], None, [1] * 16, 16, medium="GPU")]
+
+    for first in (11, 21):  # two gaps: each applied by the policy, replay reported once
+        broken.emit(stored(first))
+        broken.emit(stored(first + 1), drop=True)
+        broken.emit(stored(first + 2))
+        drive(good, 4, drop_every=2)
+        wait_quiet(store, IP, broken)
+    assert store.tier_members(IP, "l1") == {11, 13, 21, 23}
+    assert int(store.l1_state(IP)["gap:0"]) == 2
+    assert ing.count("gaps", outcome="unrecoverable") == 2
+    assert_exact(store, "127.0.0.12", good)  # the other instance was not held up
+    unavailable = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(unavailable) == 1, [r.getMessage() for r in unavailable]
+
+
+def test_vllm_restart_while_the_ingester_was_away(
+        redis_client: redis.Redis, make_sim: SimFactory,
+        ingester: Callable[..., InProcessIngester]) -> None:
+    """The new vLLM published more batches than we had applied: the replay from our last
+    sequence is not empty, but its batch there is not the one we applied."""
+    store = Store(redis_client)
+    sim = make_sim()
+    ing = ingester()
+    register(store, IP, sim)
+    drive(sim, 6, seed=2)
+    assert_exact(store, IP, sim)
+    applied = store.last_seq(IP, 0)
+    before = set(true_counts(sim))
+    ing.pause()
+    sim.restart()
+    drive(sim, 12, seed=3)
+    sim.flush()
+    assert applied is not None and sim.last_seq(0) > applied
+    ing.resume()
+    assert_exact(store, IP, sim)
+    assert ing.count("restarts") == 1
+    stale = before - set(true_counts(sim))
+    assert stale and not stale & store.tier_members(IP, "l1")
+
+
+@pytest.mark.parametrize("policy", ["keep", "clear"])
+def test_joining_a_trimmed_replay_buffer_is_an_unrecoverable_gap(
+        redis_client: redis.Redis, make_sim: SimFactory,
+        ingester: Callable[..., InProcessIngester], policy: str) -> None:
+    store = Store(redis_client)
+    sim = make_sim(buffer_steps=3)
+    for h in range(1, 7):  # seqs 0..5 before anyone listens; replay keeps 3..5
+        sim.emit([BlockStored([h], None, [h] * 16, 16, medium="GPU")])
+    sim.flush()
+    ing = ingester(onUnrecoverableGap=policy)
+    register(store, IP, sim)
+    wait_quiet(store, IP, sim)
+    assert store.tier_members(IP, "l1") == {4, 5, 6}
+    assert ing.count("gaps", outcome="unrecoverable") == 1
+    assert store.l1_state(IP).get("gap:0") == ("1" if policy == "keep" else None)
+
+
+# -- Redis outages ------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def own_redis() -> Iterator[tuple[RedisServer, redis.Redis]]:
+    server = RedisServer().start()
+    client = redis.Redis.from_url(server.url, socket_timeout=2, socket_connect_timeout=1)
+    yield server, client
+    client.close()
+    server.cleanup()
+
+
+def test_redis_outage_with_data_kept_converges(
+        own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory) -> None:
+    server, client = own_redis
+    store = Store(client)
+    sim = make_sim()
+    ing = InProcessIngester(client)
+    try:
+        register(store, IP, sim)
+        drive(sim, 8, seed=5)
+        assert_exact(store, IP, sim)
+        client.save()  # persistence is off; this snapshot is what the restart loads
+        server.stop()
+        drive(sim, 6, seed=6, drop_every=2)  # published while Redis is down
+        wait_for(lambda: ing.metrics.subscribed.value() == 0, what="the failed write to "
+                 "close the subscription")
+        server.start()
+        drive(sim, 3, seed=7)
+        assert_exact(store, IP, sim)
+        assert "gap:0" not in store.l1_state(IP)
+        assert ing.count("restarts") == 0
+    finally:
+        ing.close()
+
+
+def test_redis_data_loss_then_reregistration_converges(
+        own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory) -> None:
+    """Redis restarts empty while nothing is published (the ingester keeps its cursor) and
+    discovery registers the instance again."""
+    server, client = own_redis
+    store = Store(client)
+    sim = make_sim()
+    ing = InProcessIngester(client)
+    try:
+        old_gen = register(store, IP, sim)
+        drive(sim, 8, seed=5)
+        assert_exact(store, IP, sim)
+        server.stop()
+        server.start()
+        # Same pod, same uid: only a generation that differs although Redis lost its
+        # counter fences the ingester's in-memory cursor (from before the loss).
+        assert register(store, IP, sim) != old_gen
+        drive(sim, 4, seed=6)
+        assert_exact(store, IP, sim)
+    finally:
+        ing.close()
