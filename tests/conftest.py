@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -113,6 +114,22 @@ def any_store(request: pytest.FixtureRequest) -> Iterator[Any]:
     else:
         client = request.getfixturevalue("redis_client")
     yield Store(client)
+
+
+@pytest.fixture()
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Child processes a test starts; SIGTERM then (after 15 s) SIGKILL, by PID, at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in started:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture()

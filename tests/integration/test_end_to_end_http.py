@@ -7,14 +7,11 @@ served, the API's ``l1_hit_ratio`` must equal the simulator's true cached prefix
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 import redis
 import yaml
 
@@ -26,21 +23,6 @@ from tests.integration.l1_support import wait_quiet
 
 IP = "127.0.0.61"
 BLOCK = 16
-
-
-@pytest.fixture()
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in started:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _spawn(procs: list[subprocess.Popen[bytes]], env: dict[str, str], log: Path,

@@ -33,21 +33,6 @@ from tests.integration.l1_support import (
 
 
 @pytest.fixture()
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in started:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-@pytest.fixture()
 def sims() -> Iterator[Callable[..., SimulatedVLLM]]:
     made: list[SimulatedVLLM] = []
 
