@@ -13,29 +13,40 @@ class IngestMetrics:
     def __init__(self, registry: Registry | None = None) -> None:
         r = self.registry = registry or Registry()
         self.events = r.counter(
-            "ci_l1_events_total", "KV events by type and outcome "
+            "cache_indexer_l1_events_total",
+            "KV events by type and outcome "
             "(l1, l2, other_group, placeholder, skipped:<reason>)", ("type", "outcome"))
         self.hash_updates = r.counter(
-            "ci_l1_hash_updates_total", "block hashes stored or removed, by tier", ("tier",))
+            "cache_indexer_l1_hash_updates_total",
+            "block hashes stored or removed, by tier", ("tier",))
         self.batches = r.counter(
-            "ci_l1_batches_total", "batches by result (applied, duplicate, stale_gen, not_owner, "
+            "cache_indexer_l1_batches_total",
+            "batches by result (applied, duplicate, stale_gen, not_owner, "
             "not_a_batch)", ("result",))
         self.gaps = r.counter(
-            "ci_l1_gaps_total", "sequence gaps by outcome (recovered, unrecoverable)", ("outcome",))
+            "cache_indexer_l1_gaps_total",
+            "sequence gaps by outcome (recovered, unrecoverable)", ("outcome",))
         self.restarts = r.counter(
-            "ci_l1_publisher_restarts_total", "vLLM publisher restarts detected (seq went back)")
+            "cache_indexer_l1_publisher_restarts_total",
+            "vLLM publisher restarts detected (seq went back)")
         self.replays = r.counter(
-            "ci_l1_replays_total", "replay requests by result (complete, timeout)", ("result",))
+            "cache_indexer_l1_replays_total",
+            "replay requests by result (complete, timeout)", ("result",))
         self.malformed_frames = r.counter(
-            "ci_l1_malformed_frames_total", "ZMQ messages dropped before decoding, by reason",
+            "cache_indexer_l1_malformed_frames_total",
+            "ZMQ messages dropped before decoding, by reason",
             ("reason",))
         self.skipped_media = r.counter(
-            "ci_l1_skipped_media_events_total", "events kept out of L1 because of their medium",
+            "cache_indexer_l1_skipped_media_events_total",
+            "events kept out of L1 because of their medium",
             ("medium",))
         self.apply_seconds = r.histogram(
-            "ci_l1_apply_seconds", "time of one Store.apply_batch round trip", (),
+            "cache_indexer_l1_apply_seconds",
+            "time of one Store.apply_batch round trip", (),
             _LATENCY_BUCKETS)
         self.connected = r.gauge(
-            "ci_l1_connected_sockets", "SUB sockets currently connected to a publisher")
+            "cache_indexer_l1_connected_sockets",
+            "SUB sockets currently connected to a publisher")
         self.subscribed = r.gauge(
-            "ci_l1_subscribed_ranks", "instance ranks this ingester subscribes to")
+            "cache_indexer_l1_subscribed_ranks",
+            "instance ranks this ingester subscribes to")
