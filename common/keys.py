@@ -26,6 +26,7 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:{ip}:l3:new               | SET    | L3 poller         | –                        | staging for the next ``ci:{ip}:l3``; renamed over it |
 | ci:{ip}:l3:state             | HASH   | L3 poller         | tools                    | master, updated_ms, blocks, stale |
 | ci:masters                   | HASH   | discovery         | L3 poller                | master URL → JSON (pod, ip, rpc) |
+| ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: keys, keys_unparsed, sample_unparsed, blocks, updated_ms, stale, error |
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
 | ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters             | live ingester id → heartbeat expiry (ms since epoch) |
 """
@@ -84,6 +85,11 @@ def l3_staging(ip: str) -> str:
 
 def l3_state(ip: str) -> str:
     return f"{_tag(ip)}:l3:state"
+
+
+def master_state(url: str) -> str:
+    """Per-master poll status (what the L3 poller saw in the master's key listing)."""
+    return f"{PREFIX}:master:{{{url}}}:state"
 
 
 def lease(name: str) -> str:
