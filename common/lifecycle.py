@@ -32,7 +32,14 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
 
 class Backoff:
-    """Capped exponential backoff with full jitter: initial, 2×, 4×, … up to ``maximum``."""
+    """Capped exponential backoff with *equal* jitter: the n-th delay is drawn from
+    ``[cap/2, cap]`` where ``cap = min(maximum, initial·2ⁿ)``.
+
+    Not full jitter (``[0, cap]``) on purpose: a full-jitter draw can come out near zero
+    again and again, so a fleet of ingesters whose vLLM pod or Redis is down would keep
+    hammering it; equal jitter still spreads reconnects over half the window (no
+    thundering herd after a Redis restart) while guaranteeing at least ``cap/2`` of rest.
+    """
 
     def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
         self.initial = max(initial, 0.001)

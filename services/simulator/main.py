@@ -19,6 +19,7 @@ import time
 
 from common import logs
 from common.lifecycle import install_signal_handlers
+from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import KINDS, Workload
 
@@ -48,6 +49,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--prompts", type=int, default=32, help="size of the shared-prompt pool")
     a("--prompt-len", type=int, default=128, help="maximum prompt length in tokens")
     a("--hash-seed", default="0", help="PYTHONHASHSEED of the simulated engine")
+    a("--warm-prompt", type=int, default=0, metavar="N",
+      help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt that "
+           "stays cached, for hand-written example requests; 0 = off)")
     a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
     a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
     a("--restart-after", type=int, default=0, help="restart once after N steps")
@@ -82,6 +86,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def warm_prompt(n: int) -> Request:
+    """The ``--warm-prompt`` request: token ids 1..n, easy to type into a curl example."""
+    return Request(tuple(range(1, n + 1)))
+
+
+def step_requests(args: argparse.Namespace, workload: Workload, step: int,
+                  ranks: int) -> list[Request]:
+    """The prompts of engine step ``step`` (1-based): the workload's, plus the warm prompt."""
+    requests = [workload.next() for _ in range(args.requests_per_step * ranks)]
+    if args.warm_prompt and step % 5 == 1:
+        requests.append(warm_prompt(args.warm_prompt))
+    return requests
+
+
 def _run(args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload,
          stop: threading.Event) -> None:
     period = 1.0 / args.rate if args.rate > 0 else 0.0
@@ -98,8 +116,7 @@ def _run(args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload,
         if args.reset_every and step % args.reset_every == 0:
             sim.reset_prefix_cache()
         drop = bool(args.drop_every) and step % args.drop_every == 0
-        sim.serve([workload.next() for _ in range(args.requests_per_step * len(sim.ranks))],
-                  drop=drop)
+        sim.serve(step_requests(args, workload, step, len(sim.ranks)), drop=drop)
         if args.state_file and now - last_dump >= 1.0:
             sim.flush()
             sim.write_state(args.state_file)

@@ -8,6 +8,7 @@ package the project installs, and the deployment guide documents every config ke
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -18,7 +19,11 @@ import yaml
 from common.config import Config, load_config, parse_listen_addr
 from services.cli import SUBCOMMANDS
 from services.discovery.static import desired_from
+from services.simulator.cache_model import Request
+from services.simulator.engine import SimulatedVLLM
 from services.simulator.main import _parse as simulator_args
+from services.simulator.main import step_requests
+from services.simulator.workload import Workload
 from tests.unit.test_chart import _schema_paths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,8 +63,46 @@ def test_compose_config_validates_and_matches_the_stack() -> None:
         assert _flag(command, "--topic").startswith(cfg.ingest.l1.topic)
         assert _flag(command, "--vllm-version") == cfg.block_key.vllm_version
         sim = simulator_args(command[1:])  # the simulator accepts every flag
-        assert (sim.hash_seed, sim.block_size) == (cfg.block_key.python_hash_seed, 128)
+        assert (sim.hash_seed, sim.block_size) == (cfg.block_key.python_hash_seed, 16)
     assert list(desired.masters) == ["http://mooncake-master:9003"]
+
+
+def _header_example() -> dict[str, Any]:
+    header = []
+    for line in (ROOT / "compose" / "docker-compose.yaml").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    text = " ".join(h[:-1] if h.endswith("\\") else h for h in header)
+    m = re.search(r"curl\s.*?-d\s+'(\{.*?\})'", text)
+    assert m, "the compose header has no example curl"
+    return dict(json.loads(m.group(1)))
+
+
+def test_compose_header_example_hits_what_the_simulators_keep_warm() -> None:
+    """The example curl must be able to answer a real ratio (3 tokens at block 128 cannot):
+    drive each simulator of the stack in-process, with its own command line, for a few
+    engine steps and check that it holds every full block of the example's prompt."""
+    example = _header_example()
+    tokens, block_size = example["body"]["token_ids"], example["body"]["block_size"]
+    sims = {svc["networks"]["indexer"]["ipv4_address"]: svc["command"]
+            for svc in SERVICES.values() if svc.get("command", [""])[0] == "simulate-vllm"}
+    assert sorted(example["server_ip"]) == sorted(sims)
+    assert len(tokens) >= 2 * block_size
+    for command in sims.values():
+        args = simulator_args(command[1:])
+        assert args.block_size == block_size
+        sim = SimulatedVLLM("inproc://compose-example", block_size=args.block_size,
+                            num_blocks=args.num_blocks, hash_seed=args.hash_seed,
+                            vllm_version=args.vllm_version)
+        try:
+            workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
+                                block_size=args.block_size, seed=args.seed)
+            for step in range(1, 11):
+                sim.serve(step_requests(args, workload, step, 1))
+            assert sim.true_prefix_len(Request(tuple(tokens))) == len(tokens) // block_size
+        finally:
+            sim.close()
 
 
 def test_image_copies_every_installed_package() -> None:
