@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Static checks CI runs after the tests: ruff over everything, mypy --strict over common and
+# services (settings in pyproject.toml). Installs the pinned tools when they are missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -m ruff --version >/dev/null 2>&1 || ! $PY -m mypy --version >/dev/null 2>&1; then
+  $PY -m pip install -q --disable-pip-version-check -e ".[lint]"
+fi
+$PY -m ruff check common services tests scripts
+$PY -m mypy
