@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
 
 from common import keys, store_lua
+from common.redis_client import Client
 
 L3_CHUNK = 10_000
 """Members per SADD when a staging set is filled (bounded command size)."""
@@ -106,7 +106,7 @@ def _rank_prefixes(ip: str) -> list[str]:
 class Store:
     """Redis access for one process. Create one per client; scripts load lazily."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: Client) -> None:
         self.r = client
         self._upsert = client.register_script(store_lua.UPSERT_INSTANCE)
         self._remove = client.register_script(store_lua.REMOVE_INSTANCE)
