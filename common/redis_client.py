@@ -22,12 +22,14 @@ Every process builds its client with :func:`connect` from the ``redis`` config s
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from common.config import Redis as RedisConfig
@@ -38,13 +40,54 @@ Client = redis.Redis | RedisCluster
 """What :func:`connect` returns; :class:`common.store.Store` accepts either."""
 
 
-def connect(cfg: RedisConfig, *, retries: int = 1) -> Client:
-    """A pooled client for ``cfg`` (no I/O yet: the first command connects)."""
+CLUSTER_START_ATTEMPTS = 10
+"""A cluster client must reach one node to learn the slot map: tries before giving up."""
+
+
+def connect(cfg: RedisConfig, *, retries: int = 1, stop: threading.Event | None = None) -> Client:
+    """A pooled client for ``cfg``. A single-server client connects on its first command; a
+    cluster client reads the slot map now, retrying with capped backoff (``stop`` ends the
+    wait early), and raises :class:`redis.ConnectionError` if no node answers."""
     url, options = client_options(cfg, retries)
     logger.info("state store: %s", describe(cfg))
-    if cfg.cluster:
-        return RedisCluster.from_url(url, **options)
-    return redis.Redis.from_url(url, **options)
+    if not cfg.cluster:
+        return redis.Redis.from_url(url, **options)
+    backoff = ExponentialWithJitterBackoff(cap=5.0, base=0.2)
+    waiter = stop or threading.Event()
+    for attempt in range(1, CLUSTER_START_ATTEMPTS + 1):
+        try:
+            return _Cluster.from_url(url, **options)
+        except (RedisClusterException, redis.RedisError) as exc:
+            if attempt == CLUSTER_START_ATTEMPTS or waiter.wait(backoff.compute(attempt)):
+                raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from exc
+            logger.warning("Redis Cluster not reachable yet (attempt %d): %s", attempt, exc)
+    raise AssertionError("unreachable")
+
+
+class _Cluster(RedisCluster):
+    """RedisCluster whose cluster-level failures (e.g. a slot no known node covers, while a
+    node is away) are :class:`redis.ConnectionError`: callers handle ``redis.RedisError``
+    alone, as with one server, and back off instead of dying."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        pipe: ClusterPipeline = super().pipeline(  # type: ignore[no-untyped-call]
+            transaction, shard_hint)
+        pipe.__class__ = _ClusterPipeline
+        return pipe
+
+
+class _ClusterPipeline(ClusterPipeline):
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return super().execute(raise_on_error)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
 
 
 def client_options(cfg: RedisConfig, retries: int = 1) -> tuple[str, dict[str, Any]]:

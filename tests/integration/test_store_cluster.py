@@ -9,14 +9,14 @@ import pytest
 from redis.cluster import RedisCluster
 
 from common.config import Redis as RedisConfig
-from common.redis_client import client_options
+from common.redis_client import _Cluster, client_options
 from common.store import Store
 from tests.redis_nodes import Cluster
 from tests.unit.test_store import *  # noqa: F403 - the same suite, run here on a cluster
 from tests.unit.test_store_copies import *  # noqa: F403
 
 
-class _AllNodesKeys(RedisCluster):
+class _AllNodesKeys(_Cluster):
     """KEYS over every primary (redis-py sends it to one node), for the suite's checks."""
 
     def keys(self, pattern: str = "*", **kwargs: object) -> list[bytes]:  # type: ignore[override]
