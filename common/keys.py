@@ -1,7 +1,9 @@
 """Every Redis key this project uses, and the only module allowed to spell one.
 
 All keys of one instance share the hash tag ``{<ip>}`` so that they live in one Redis
-Cluster slot and the Lua scripts in :mod:`common.store` can touch them atomically.
+Cluster slot and the Lua scripts in :mod:`common.store` can touch them atomically. The
+global keys (``ci:instances``, ``ci:masters``, ``ci:ingesters``, ``ci:lease:*``) are never
+used in the same script as an instance's keys.
 The instance is named by its pod IP because that is what callers send as ``server_ip``:
 the API can then read an instance's sets without a lookup (one round trip per request).
 A new pod on a reused IP never sees the old pod's blocks because discovery drops the
