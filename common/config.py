@@ -8,6 +8,8 @@ default, so an empty file is valid. Durations are Go-style strings (``10s``, ``1
 are reported together in one :class:`~common.errors.ConfigError` naming each key.
 
 A few environment variables override the file: ``CACHE_INDEXER_REDIS_URL`` (redis.url),
+``CACHE_INDEXER_REDIS_USERNAME`` / ``CACHE_INDEXER_REDIS_PASSWORD`` (redis.username/password,
+e.g. from a Kubernetes Secret),
 ``POD_NAMESPACE`` (discovery.namespace, when the file leaves it empty), ``LOG_LEVEL``.
 """
 
@@ -87,10 +89,27 @@ class BlockKey:
 
 
 @dataclass
+class RedisTLS:
+    """TLS to Redis (also on with a ``rediss://`` URL); files are PEM paths."""
+
+    enabled: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    insecure_skip_verify: bool = False
+
+
+@dataclass
 class Redis:
     url: str = "redis://127.0.0.1:6379/0"
     socket_timeout: Duration = _f(Duration(2))
     connect_timeout: Duration = _f(Duration(2))
+    cluster: bool = False
+    username: str = ""
+    password: str = ""
+    password_file: str = ""
+    health_check_interval: Duration = _f(Duration(30))
+    tls: RedisTLS = _f(RedisTLS)
 
 
 @dataclass
@@ -306,6 +325,20 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         problems.append("ingest.l1.heartbeatInterval: must be > 0 and at most half of leaseTTL")
     if cfg.ingest.l3.poll_interval <= 0:
         problems.append("ingest.l3.pollInterval: must be > 0")
+    _check_redis(cfg.redis, problems)
+
+
+def _check_redis(r: Redis, problems: list[str]) -> None:
+    if not r.url.startswith(("redis://", "rediss://", "unix://")):
+        problems.append(f"redis.url: {r.url!r} is not a redis://, rediss:// or unix:// URL")
+    if r.cluster and r.url.startswith("unix://"):
+        problems.append("redis.cluster: a cluster is reached over TCP, not a unix:// URL")
+    for name, path in (("passwordFile", r.password_file), ("tls.caFile", r.tls.ca_file),
+                       ("tls.certFile", r.tls.cert_file), ("tls.keyFile", r.tls.key_file)):
+        if path and not os.access(path, os.R_OK):
+            problems.append(f"redis.{name}: cannot read {path}")
+    if bool(r.tls.cert_file) != bool(r.tls.key_file):
+        problems.append("redis.tls: certFile and keyFile go together (client certificate)")
 
 
 def _keep_seed_text(raw: Any, root: yaml.Node | None) -> None:
@@ -339,6 +372,8 @@ def load_config(
     cfg: Config = _build(Config, raw, "", problems)
     if env.get("CACHE_INDEXER_REDIS_URL"):
         cfg.redis.url = env["CACHE_INDEXER_REDIS_URL"]
+    cfg.redis.username = env.get("CACHE_INDEXER_REDIS_USERNAME") or cfg.redis.username
+    cfg.redis.password = env.get("CACHE_INDEXER_REDIS_PASSWORD") or cfg.redis.password
     if not cfg.discovery.namespace and env.get("POD_NAMESPACE"):
         cfg.discovery.namespace = env["POD_NAMESPACE"]
     if env.get("LOG_LEVEL"):

@@ -1,12 +1,20 @@
 """Every Redis key this project uses, and the only module allowed to spell one.
 
 All keys of one instance share the hash tag ``{<ip>}`` so that they live in one Redis
-Cluster slot and the Lua scripts in :mod:`common.store` can touch them atomically.
+Cluster slot and the Lua scripts in :mod:`common.store` can touch them atomically. The
+global keys (``ci:instances``, ``ci:masters``, ``ci:ingesters``, ``ci:lease:*``) are never
+used in the same script as an instance's keys.
 The instance is named by its pod IP because that is what callers send as ``server_ip``:
 the API can then read an instance's sets without a lookup (one round trip per request).
 A new pod on a reused IP never sees the old pod's blocks because discovery drops the
 old data and bumps the instance generation before it registers the new pod, and every
 ingester write is fenced by that generation.
+
+**Copies.** The common case — a hash held once, on DP rank 0 — costs exactly one member of
+``ci:{ip}:l1`` and nothing else. Only a hash with more than one copy, or with copies on
+another DP rank, also has a field in ``ci:{ip}:l1:copies`` whose value is the per-rank copy
+counts from rank 0 on, comma-separated, trailing zeros trimmed (``"2"``, ``"0,1"``,
+``"1,0,3"``). So the index of a single-rank instance without duplicates is a bare set.
 
 Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 (``int.from_bytes(digest[-8:], "big")``), e.g. ``11738959596286628545``.
@@ -17,9 +25,9 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:{ip}:inst                 | HASH   | discovery         | ingesters, poller, tools | while registered (uid, pod, gen, zmq, replay, dp, role, …) |
 | ci:{ip}:gen                  | STRING | discovery         | store scripts            | forever: generation counter, survives drops so it never repeats |
 | ci:{ip}:l1                   | SET    | L1 ingester       | API (SMISMEMBER)         | GPU block hashes with ≥1 copy on any DP rank |
-| ci:{ip}:l1:cnt               | HASH   | L1 ingester       | tools                    | hash → copies over all ranks (vLLM stores a hash twice) |
-| ci:{ip}:l1:r<rank>           | HASH   | L1 ingester       | L1 ingester              | hash → copies on one DP rank (for AllBlocksCleared of that rank) |
-| ci:{ip}:l2 (…:cnt, …:r<n>)   | as l1  | L1 ingester       | tools                    | same, for non-GPU media in the event stream (CPU / STORAGE offload) |
+| ci:{ip}:l1:copies            | HASH   | L1 ingester       | tools                    | sparse: hash → per-rank copies "c0,c1,…" only when not exactly one copy on rank 0 |
+| ci:{ip}:l2 (…:copies)        | as l1  | L1 ingester       | tools                    | same, for non-GPU media in the event stream (CPU / STORAGE offload) |
+| ci:{ip}:l1:cnt, …:l1:r<rank> | HASH   | (legacy layout)   | –                        | before the copies hash; found by the scripts, dropped, instance re-synced |
 | ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, tools       | seq:<rank> last applied sequence; gap:<rank> unrecoverable gaps |
 | ci:{ip}:l1:owner             | STRING | L1 ingester       | store scripts            | lease (PX): id of the ingester that may write this instance |
 | ci:{ip}:l3                   | SET    | L3 poller         | API (SMISMEMBER)         | block hashes held in Mooncake, replaced whole per poll |
@@ -59,11 +67,18 @@ def tier_set(ip: str, tier: str = "l1") -> str:
     return f"{_tag(ip)}:{tier}"
 
 
+def tier_copies(ip: str, tier: str = "l1") -> str:
+    """Sparse copy counts: only hashes held other than as exactly one copy on rank 0."""
+    return f"{_tag(ip)}:{tier}:copies"
+
+
 def tier_counts(ip: str, tier: str = "l1") -> str:
+    """Legacy layout (copies over all ranks); only dropped now."""
     return f"{_tag(ip)}:{tier}:cnt"
 
 
 def tier_rank_counts(ip: str, rank: int, tier: str = "l1") -> str:
+    """Legacy layout (copies on one rank); only dropped now."""
     return f"{_tag(ip)}:{tier}:r{int(rank)}"
 
 

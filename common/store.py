@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
 
 from common import keys, store_lua
+from common.redis_client import Client
 
 L3_CHUNK = 10_000
 """Members per SADD when a staging set is filled (bounded command size)."""
@@ -90,21 +90,23 @@ _STATUS = {1: "applied", 0: "duplicate", -1: "stale_gen", -2: "not_owner"}
 def _instance_keys(ip: str) -> list[str]:
     return [
         keys.instance_meta(ip), keys.instance_gen(ip), keys.l1_state(ip), keys.l1_owner(ip),
-        keys.tier_set(ip, "l1"), keys.tier_counts(ip, "l1"),
-        keys.tier_set(ip, "l2"), keys.tier_counts(ip, "l2"),
+        keys.tier_set(ip, "l1"), keys.tier_copies(ip, "l1"),
+        keys.tier_set(ip, "l2"), keys.tier_copies(ip, "l2"),
         keys.l3_set(ip), keys.l3_staging(ip), keys.l3_state(ip),
+        keys.tier_counts(ip, "l1"), keys.tier_counts(ip, "l2"),  # legacy layout, dropped
     ]
 
 
 def _rank_prefixes(ip: str) -> list[str]:
-    # tier_rank_counts(ip, 0) ends in "r0"; the scripts append the rank themselves.
+    # Legacy per-rank hashes (dropped on sight): tier_rank_counts(ip, 0) ends in "r0"; the
+    # scripts append the rank themselves.
     return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
 
 
 class Store:
     """Redis access for one process. Create one per client; scripts load lazily."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: Client) -> None:
         self.r = client
         self._upsert = client.register_script(store_lua.UPSERT_INSTANCE)
         self._remove = client.register_script(store_lua.REMOVE_INSTANCE)
@@ -221,7 +223,17 @@ class Store:
         return {int(m) for m in self.r.smembers(keys.tier_set(ip, tier))}
 
     def tier_counts(self, ip: str, tier: str = "l1") -> dict[int, int]:
-        return {int(k): int(v) for k, v in self.r.hgetall(keys.tier_counts(ip, tier)).items()}
+        """hash → copies over all DP ranks (a member without a copies field has one)."""
+        return {h: sum(c) for h, c in self.tier_rank_copies(ip, tier).items()}
+
+    def tier_rank_copies(self, ip: str, tier: str = "l1") -> dict[int, list[int]]:
+        """hash → copies per DP rank from rank 0 on (trailing zeros trimmed)."""
+        pipe = self.r.pipeline(transaction=True)  # one slot: a consistent snapshot
+        pipe.smembers(keys.tier_set(ip, tier))
+        pipe.hgetall(keys.tier_copies(ip, tier))
+        members, copies = pipe.execute()
+        extra = {int(k): [int(c) for c in _text(v).split(",")] for k, v in copies.items()}
+        return {int(m): extra.get(int(m), [1]) for m in members}
 
     # -- L3 ---------------------------------------------------------------------------
 

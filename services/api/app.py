@@ -22,12 +22,11 @@ from typing import Any
 import falcon
 import orjson
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from common.blockhash import BlockHasher, HashSettings
 from common.config import Config, config_path_from, load_config
 from common.errors import RequestError
+from common.redis_client import Client, connect
 from common.store import Store
 from services.api import hit_rate
 from services.api.api_metrics import METRICS_DIR_ENV, ApiMetrics
@@ -140,15 +139,10 @@ def create_app(config: Config, store: Store, hasher: hit_rate.Hasher,
     return app
 
 
-def redis_client(config: Config) -> redis.Redis:
-    """A pooled client with bounded timeouts and one immediate retry (a stale pooled socket
+def redis_client(config: Config) -> Client:
+    """A pooled client with bounded timeouts and one quick retry (a stale pooled socket
     after a Redis restart), so a request fails fast instead of backing off for seconds."""
-    return redis.Redis.from_url(
-        config.redis.url,
-        socket_timeout=config.redis.socket_timeout,
-        socket_connect_timeout=config.redis.connect_timeout,
-        retry=Retry(NoBackoff(), 1),
-    )
+    return connect(config.redis, retries=1)
 
 
 def hash_settings(config: Config) -> HashSettings:

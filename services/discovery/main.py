@@ -17,13 +17,13 @@ import socket
 import sys
 import threading
 
-import redis
 
 from common import logs
 from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
 from common.lifecycle import Backoff, install_signal_handlers
 from common.metrics import Registry, serve
+from common.redis_client import connect
 from common.store import Store
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.pods import label_problems
@@ -69,8 +69,7 @@ def main(argv: list[str]) -> int:
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
     if port:
         serve(registry, cfg.metrics.addr, port)
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout,
-                                  socket_connect_timeout=cfg.redis.connect_timeout)
+    client = connect(cfg.redis, retries=3)
     holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
     reconciler = Reconciler(Store(client), holder, cfg.discovery.lease_ttl, metrics)
     l1 = cfg.ingest.l1

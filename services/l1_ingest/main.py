@@ -24,6 +24,7 @@ from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
 from common.lifecycle import Backoff, install_signal_handlers
 from common.metrics import serve
+from common.redis_client import connect
 from common.store import Store
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.sharding import Assigner, LeaseAssigner, StaticAssigner, run_assignment
@@ -63,8 +64,7 @@ def main(argv: list[str]) -> int:
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
     if port:
         serve(metrics.registry, cfg.metrics.addr, port)
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout,
-                                  socket_connect_timeout=cfg.redis.connect_timeout)
+    client = connect(cfg.redis, retries=3)
     store = Store(client)
     ingester_id = args.id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     assigner: Assigner = (StaticAssigner(shard, shards) if static

@@ -14,13 +14,13 @@ import logging
 import sys
 import threading
 
-import redis
 
 from common import logs
 from common.config import config_path_from, load_config
 from common.errors import ConfigError
 from common.lifecycle import install_signal_handlers
 from common.metrics import serve
+from common.redis_client import connect
 from common.store import Store
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.poller import L3Poller
@@ -46,8 +46,7 @@ def main(argv: list[str]) -> int:
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
     if port:
         serve(metrics.registry, cfg.metrics.addr, port)
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout,
-                                  socket_connect_timeout=cfg.redis.connect_timeout)
+    client = connect(cfg.redis, retries=3)
     logging.getLogger(__name__).info(
         "l3-poll: scope %s, every %gs, stale after %gs, batches of %d keys",
         l3.scope, l3.poll_interval, l3.stale_after, l3.batch_size)

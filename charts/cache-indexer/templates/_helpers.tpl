@@ -59,6 +59,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* Where the Redis TLS Secret is mounted in every cache-indexer container. */}}
+{{- define "cache-indexer.redisTLSDir" -}}/etc/redis-tls{{- end }}
+
 {{/* "true" when the chart runs its own Redis (redis.enabled and no external URL/Secret). */}}
 {{- define "cache-indexer.bundledRedis" -}}
 {{- if and .Values.redis.enabled (not .Values.redis.url) (not .Values.redis.existingSecret) }}true{{ end }}
@@ -112,6 +115,11 @@ volumes:
       name: {{ include "cache-indexer.componentName" (dict "root" .root "component" "config") }}
   - name: tmp
     emptyDir: {}
+  {{- if .root.Values.redis.tls.secret }}
+  - name: redis-tls
+    secret:
+      secretName: {{ .root.Values.redis.tls.secret }}
+  {{- end }}
 {{- end }}
 
 {{/* Container fields shared by every cache-indexer container: (dict "root" $ "resources" map). */}}
@@ -136,6 +144,13 @@ env:
         name: {{ .root.Values.redis.existingSecret }}
         key: {{ .root.Values.redis.existingSecretKey }}
   {{- end }}
+  {{- if .root.Values.redis.passwordSecret }}
+  - name: CACHE_INDEXER_REDIS_PASSWORD
+    valueFrom:
+      secretKeyRef:
+        name: {{ .root.Values.redis.passwordSecret }}
+        key: {{ .root.Values.redis.passwordSecretKey }}
+  {{- end }}
   {{- with .root.Values.extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -149,6 +164,11 @@ volumeMounts:
     readOnly: true
   - name: tmp
     mountPath: /tmp
+  {{- if .root.Values.redis.tls.secret }}
+  - name: redis-tls
+    mountPath: {{ include "cache-indexer.redisTLSDir" .root }}
+    readOnly: true
+  {{- end }}
 {{- end }}
 
 {{/*
