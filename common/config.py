@@ -188,6 +188,7 @@ class Ingest:
 class Metrics:
     port: int = 0
     addr: str = "127.0.0.1"
+    liveness_timeout: Duration = _f(Duration(60))
 
 
 @dataclass
@@ -306,6 +307,8 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         problems.append("ingest.l1.heartbeatInterval: must be > 0 and at most half of leaseTTL")
     if cfg.ingest.l3.poll_interval <= 0:
         problems.append("ingest.l3.pollInterval: must be > 0")
+    if cfg.metrics.liveness_timeout <= 0:
+        problems.append("metrics.livenessTimeout: must be > 0")
 
 
 def _keep_seed_text(raw: Any, root: yaml.Node | None) -> None:
