@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any, Literal
@@ -28,6 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app,
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from common.health import Health
+from common.metrics_buffer import BufferedCount, BufferedObserver, Buffers, Flushable
 
 logger = logging.getLogger(__name__)
 
@@ -41,27 +43,49 @@ GaugeMode = Literal["all", "liveall", "min", "livemin", "max", "livemax", "sum",
 
 
 class _Metric:
-    """One metric family; children per label set are cached (the hot path is one dict get)."""
+    """One metric family. Recorders are cached by the caller's keyword labels as given, so
+    the hot path is one dict lookup; a miss resolves them (a missing label is ``""``)."""
 
-    def __init__(self, metric: Any, labels: Sequence[str]) -> None:
+    def __init__(self, metric: Any, labels: Sequence[str], buffers: Buffers | None) -> None:
         self.name: str = metric.describe()[0].name  # a counter's name without "_total"
         self.labels = tuple(labels)
         self._metric = metric
-        self._children: dict[_Labels, Any] = {}
+        self._buffers = buffers
+        self._by_call: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._by_values: dict[_Labels, Any] = {}
+
+    def _recorder(self, child: Any) -> Any:
+        return child
+
+    def _buffered(self, child: Any) -> Flushable | None:
+        return None
+
+    def _get(self, labels: dict[str, str]) -> Any:
+        try:
+            return self._by_call[tuple(labels.items())]
+        except KeyError:
+            child = self._child(labels)
+            buffered = self._buffered(child) if self._buffers is not None else None
+            if buffered is not None and self._buffers is not None:
+                self._buffers.add(buffered)
+            recorder = self._by_call[tuple(labels.items())] = buffered or self._recorder(child)
+            return recorder
 
     def _child(self, labels: dict[str, str]) -> Any:
         if not self.labels:
-            return self._metric
+            return self._metric  # labels given to an unlabelled metric are ignored
         key = tuple([str(labels.get(n, "")) for n in self.labels])
-        child = self._children.get(key)
+        child = self._by_values.get(key)
         if child is None:
-            child = self._children[key] = self._metric.labels(*key)
+            child = self._by_values[key] = self._metric.labels(*key)
         return child
 
     def _read(self, labels: dict[str, str], suffix: str) -> float:
         """This process's current value of the series (0 if never recorded)."""
-        key = tuple([str(labels.get(n, "")) for n in self.labels])
-        if self.labels and key not in self._children:
+        if self._buffers is not None:
+            self._buffers.flush()
+        if self.labels and tuple([str(labels.get(n, "")) for n in self.labels]) \
+                not in self._by_values:
             return 0.0
         for family in self._child(labels).collect():
             for sample in family.samples:
@@ -71,8 +95,18 @@ class _Metric:
 
 
 class Counter(_Metric):
+    def _recorder(self, child: Any) -> Any:
+        # The value object that prometheus_client's Counter.inc increments, without the
+        # per-call checks of that wrapper (the API counts on every request).
+        return getattr(child, "_value", child)
+
+    def _buffered(self, child: Any) -> Flushable | None:
+        return BufferedCount(self._recorder(child))
+
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._child(labels).inc(amount)
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
+        self._get(labels).inc(amount)
 
     def value(self, **labels: str) -> float:
         return self._read(labels, "_total")
@@ -80,18 +114,45 @@ class Counter(_Metric):
 
 class Gauge(_Metric):
     def set(self, value: float, **labels: str) -> None:
-        self._child(labels).set(value)
+        self._get(labels).set(value)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._child(labels).inc(amount)
+        self._get(labels).inc(amount)
 
     def value(self, **labels: str) -> float:
         return self._read(labels, "")
 
 
+class _Observer:
+    """What prometheus_client's Histogram.observe does (add to the sum, count one in the
+    first bucket whose bound is >= the value), on its value objects, with a bisection."""
+
+    __slots__ = ("_sum", "_buckets", "_bounds")
+
+    def __init__(self, child: Any) -> None:
+        self._sum, self._buckets = child._sum, child._buckets
+        self._bounds = list(child._upper_bounds)
+
+    def observe(self, value: float) -> None:
+        self._sum.inc(value)
+        self._buckets[bisect_left(self._bounds, value)].inc(1)
+
+
 class Histogram(_Metric):
+    def _recorder(self, child: Any) -> Any:
+        try:
+            return _Observer(child)
+        except AttributeError:  # another prometheus_client layout: its public method
+            return child
+
+    def _buffered(self, child: Any) -> Flushable | None:
+        try:
+            return BufferedObserver(child)
+        except AttributeError:
+            return None
+
     def observe(self, value: float, **labels: str) -> None:
-        self._child(labels).observe(value)
+        self._get(labels).observe(value)
 
     def count(self, **labels: str) -> float:
         """Observations so far in this process."""
@@ -101,12 +162,19 @@ class Histogram(_Metric):
 class Registry:
     """A process's metrics; ``collector`` is the prometheus_client registry behind them."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffered: bool = False) -> None:
+        """``buffered``: counters and histograms add up in memory and are flushed into
+        prometheus_client (see :mod:`common.metrics_buffer`; for multiprocess mode)."""
         self.collector = CollectorRegistry(auto_describe=True)
+        self.buffers = Buffers() if buffered else None
+
+    def flush(self) -> None:
+        if self.buffers is not None:
+            self.buffers.flush()
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(prometheus_client.Counter(
-            name, doc, tuple(labels), registry=self.collector), labels)
+            name, doc, tuple(labels), registry=self.collector), labels, self.buffers)
 
     def gauge(self, name: str, doc: str, labels: Sequence[str] = (),
               multiprocess_mode: GaugeMode = "livesum") -> Gauge:
@@ -114,15 +182,17 @@ class Registry:
         live processes' values (a dead process's gauge is dropped by ``mark_process_dead``)."""
         return Gauge(prometheus_client.Gauge(
             name, doc, tuple(labels), registry=self.collector,
-            multiprocess_mode=multiprocess_mode), labels)
+            multiprocess_mode=multiprocess_mode), labels, None)
 
     def histogram(self, name: str, doc: str, labels: Sequence[str] = (),
                   buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
         return Histogram(prometheus_client.Histogram(
-            name, doc, tuple(labels), registry=self.collector, buckets=sorted(buckets)), labels)
+            name, doc, tuple(labels), registry=self.collector, buckets=sorted(buckets)),
+            labels, self.buffers)
 
     def render(self) -> str:
         """This registry in the Prometheus text format."""
+        self.flush()
         return generate_latest(self.collector).decode()
 
 

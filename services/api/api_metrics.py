@@ -8,6 +8,12 @@ files (:func:`common.metrics.render_multiprocess`). A dead worker's counter and 
 files stay, so its counts keep counting (a counter never goes down); the master's
 ``child_exit`` calls ``mark_process_dead``, which drops only live-gauge files.
 
+A request's counts are buffered in memory and flushed into the files every second, before
+this worker renders ``/metrics`` and in gunicorn's ``worker_exit``
+(:mod:`common.metrics_buffer`): the per-request cost stays that of an in-memory add. So
+another worker's scrape lags by up to a second, and a worker killed with SIGKILL loses at
+most its last second of counts.
+
 prometheus_client reads ``PROMETHEUS_MULTIPROC_DIR`` once, when it is first imported. The
 master must therefore not import it (nor :mod:`common.metrics`) before ``on_starting``:
 this module imports :mod:`common.metrics` only when an :class:`ApiMetrics` is built, which
@@ -42,7 +48,8 @@ class ApiMetrics:
                 "the workers' metrics could not be summed")
         self.multiprocess_dir = None if multiprocess_dir is None else str(multiprocess_dir)
         self._render_all = metrics.render_multiprocess
-        self.registry: Registry = metrics.Registry()
+        # Buffered in multiprocess mode: a request costs in-memory adds, not mmap writes.
+        self.registry: Registry = metrics.Registry(buffered=self.multiprocess_dir is not None)
         r = self.registry
         self.requests: Counter = r.counter(
             "cache_indexer_api_requests_total", "HTTP requests answered, by route and status.",
@@ -55,11 +62,14 @@ class ApiMetrics:
             ("op",))
         self.hashed_blocks: Counter = r.counter(
             "cache_indexer_api_hashed_blocks_total", "Prompt blocks hashed for hit-rate requests.")
+        if self.registry.buffers is not None:
+            self.registry.buffers.start()
 
     def render(self) -> bytes:
         """Prometheus text: the sum over all workers, or this process's own metrics."""
         if self.multiprocess_dir is None:
             return self.registry.render().encode()
+        self.registry.flush()  # this worker's own counts up to now; the others' lag ≤ 1 s
         return self._render_all(self.multiprocess_dir)
 
 

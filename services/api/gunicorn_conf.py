@@ -18,7 +18,8 @@ Durations are rounded up to whole seconds (gunicorn takes integers). The hooks r
 cross-worker metrics (prometheus_client's multiprocess mode, :mod:`services.api.api_metrics`):
 the master creates an empty directory and exports ``PROMETHEUS_MULTIPROC_DIR`` before forking
 (``on_starting``), marks a dead worker dead (``child_exit``: its live gauges go, its counts
-stay) and removes the directory on exit. gunicorn's own log records go to the root handler
+stay) and removes the directory on exit; an exiting worker flushes its buffered counts
+(``worker_exit``). gunicorn's own log records go to the root handler
 that :func:`common.logs.configure` installed.
 """
 
@@ -72,6 +73,7 @@ def gunicorn_settings(config: Config, workers: int | None = None,
         "control_socket_disable": True,  # no shared ~/.gunicorn/gunicorn.ctl between servers
         "on_starting": on_starting,
         "child_exit": child_exit,
+        "worker_exit": worker_exit,
         "on_exit": on_exit,
     }
 
@@ -99,6 +101,14 @@ def child_exit(arbiter: Any, worker: Any) -> None:
         from prometheus_client import multiprocess  # here, after on_starting set the env
 
         multiprocess.mark_process_dead(worker.pid, shared)  # type: ignore[no-untyped-call]
+
+
+def worker_exit(arbiter: Any, worker: Any) -> None:
+    """Worker, exiting: flush its buffered counts into its files."""
+    if os.environ.get(api_metrics.MULTIPROC_ENV):
+        from common.metrics_buffer import flush_all
+
+        flush_all()
 
 
 def on_exit(arbiter: Any) -> None:
