@@ -11,14 +11,15 @@ Workers expose their registry with :func:`serve` on their metrics port: ``/metri
 ``/healthz`` and ``/readyz`` (:class:`common.health.Health`). The API's gunicorn workers
 share one port and use prometheus_client's multiprocess mode instead (values in per-process
 mmap files under ``PROMETHEUS_MULTIPROC_DIR``, which must be set before this module is first
-imported): :func:`render_multiprocess` sums them.
+imported): :func:`render_multiprocess` sums them. Their registry is *buffered* (counts add up
+in memory and are flushed into prometheus_client every second, see
+:mod:`common.metrics_buffer`), because a multiprocess value write is an mmap write.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any, Literal
@@ -54,9 +55,6 @@ class _Metric:
         self._by_call: dict[tuple[tuple[str, str], ...], Any] = {}
         self._by_values: dict[_Labels, Any] = {}
 
-    def _recorder(self, child: Any) -> Any:
-        return child
-
     def _buffered(self, child: Any) -> Flushable | None:
         return None
 
@@ -68,7 +66,7 @@ class _Metric:
             buffered = self._buffered(child) if self._buffers is not None else None
             if buffered is not None and self._buffers is not None:
                 self._buffers.add(buffered)
-            recorder = self._by_call[tuple(labels.items())] = buffered or self._recorder(child)
+            recorder = self._by_call[tuple(labels.items())] = buffered or child
             return recorder
 
     def _child(self, labels: dict[str, str]) -> Any:
@@ -95,13 +93,8 @@ class _Metric:
 
 
 class Counter(_Metric):
-    def _recorder(self, child: Any) -> Any:
-        # The value object that prometheus_client's Counter.inc increments, without the
-        # per-call checks of that wrapper (the API counts on every request).
-        return getattr(child, "_value", child)
-
     def _buffered(self, child: Any) -> Flushable | None:
-        return BufferedCount(self._recorder(child))
+        return BufferedCount(child)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
@@ -123,32 +116,11 @@ class Gauge(_Metric):
         return self._read(labels, "")
 
 
-class _Observer:
-    """What prometheus_client's Histogram.observe does (add to the sum, count one in the
-    first bucket whose bound is >= the value), on its value objects, with a bisection."""
-
-    __slots__ = ("_sum", "_buckets", "_bounds")
-
-    def __init__(self, child: Any) -> None:
-        self._sum, self._buckets = child._sum, child._buckets
-        self._bounds = list(child._upper_bounds)
-
-    def observe(self, value: float) -> None:
-        self._sum.inc(value)
-        self._buckets[bisect_left(self._bounds, value)].inc(1)
-
-
 class Histogram(_Metric):
-    def _recorder(self, child: Any) -> Any:
-        try:
-            return _Observer(child)
-        except AttributeError:  # another prometheus_client layout: its public method
-            return child
-
     def _buffered(self, child: Any) -> Flushable | None:
         try:
             return BufferedObserver(child)
-        except AttributeError:
+        except AttributeError:  # another prometheus_client layout: record unbuffered
             return None
 
     def observe(self, value: float, **labels: str) -> None:

@@ -28,7 +28,7 @@ class Flushable(Protocol):
 
 
 class BufferedCount:
-    """Stands in for a counter's value object: ``inc`` adds to a pending sum."""
+    """Stands in for a counter child: ``inc`` adds to a pending sum."""
 
     __slots__ = ("_target", "_lock", "_pending")
 
@@ -49,7 +49,12 @@ class BufferedCount:
 
 
 class BufferedObserver:
-    """Stands in for a histogram child: per-bucket counts and the sum, added on flush."""
+    """Stands in for a histogram child: per-bucket counts and the sum, added on flush.
+
+    prometheus_client has no public call that adds n observations to one bucket, so this
+    one uses the child's value objects (``_sum``, ``_buckets``, ``_upper_bounds``), which
+    its own ``observe`` increments; without them the histogram is recorded unbuffered
+    (tests/unit/test_metrics.py fails then, so an upgrade that moves them is noticed)."""
 
     __slots__ = ("_sum", "_buckets", "_bounds", "_lock", "_pending_sum", "_pending")
 

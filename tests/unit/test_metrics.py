@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.health import Health
-from common.metrics import Registry, _Observer, serve
+from common.metrics import Registry, serve
 from common.metrics_buffer import BufferedObserver
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
@@ -39,9 +39,10 @@ def test_the_facade_keeps_names_labels_and_values() -> None:
     assert "_created" not in text
 
 
-def test_histograms_match_prometheus_client_bucket_for_bucket() -> None:
+@pytest.mark.parametrize("buffered", [False, True])
+def test_histograms_match_prometheus_client_bucket_for_bucket(buffered: bool) -> None:
     values = [0.0, 0.0005, 0.001, 0.0010001, 0.05, 0.1, 1.0, 3.0, 1e9]
-    ours = Registry()
+    ours = Registry(buffered=buffered)
     h = ours.histogram("t_seconds", "latency", ("path",), BUCKETS)
     reference = CollectorRegistry()
     ref = prometheus_client.Histogram("t_seconds", "latency", ("path",), registry=reference,
@@ -51,8 +52,8 @@ def test_histograms_match_prometheus_client_bucket_for_bucket() -> None:
         ref.labels("/x").observe(v)
     assert ours.render() == generate_latest(reference).decode()
     assert h.count(path="/x") == len(values)
-    assert isinstance(h._get({"path": "/x"}), _Observer), \
-        "prometheus_client's histogram internals changed: the fast path fell back"
+    assert isinstance(h._get({"path": "/x"}), BufferedObserver) == buffered, \
+        "prometheus_client's histogram internals changed: buffering fell back"
 
 
 def test_buffered_counts_appear_on_flush_and_none_are_lost() -> None:
