@@ -207,6 +207,7 @@ class Ingest:
 class Metrics:
     port: int = 0
     addr: str = "127.0.0.1"
+    liveness_timeout: Duration = _f(Duration(60))
 
 
 @dataclass
@@ -325,6 +326,8 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         problems.append("ingest.l1.heartbeatInterval: must be > 0 and at most half of leaseTTL")
     if cfg.ingest.l3.poll_interval <= 0:
         problems.append("ingest.l3.pollInterval: must be > 0")
+    if cfg.metrics.liveness_timeout <= 0:
+        problems.append("metrics.livenessTimeout: must be > 0")
     _check_redis(cfg.redis, problems)
 
 

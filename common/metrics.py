@@ -1,187 +1,232 @@
-"""Prometheus text metrics without a client library: counters, gauges, histograms.
+"""Prometheus metrics on ``prometheus_client``: a small facade and the workers' endpoint.
 
-One :class:`Registry` per process. Workers expose it with :func:`serve` on their metrics
-port (``metrics.port``; 0 = off). Processes that share a port (gunicorn workers) merge
-their :meth:`Registry.snapshot` dicts with :func:`merge_snapshots` before rendering.
+One :class:`Registry` per process; it owns a :class:`prometheus_client.CollectorRegistry`.
+Services declare metrics on it (:meth:`Registry.counter`, :meth:`~Registry.gauge`,
+:meth:`~Registry.histogram`) with their exposition names (counters end in ``_total``) and
+record with keyword labels, ``requests.inc(path="/x", status="200")``; a label left out is
+``""``. ``*_created`` series are disabled, so the exposed names are exactly the declared ones.
+
+Workers expose their registry with :func:`serve` on their metrics port: ``/metrics``
+(prometheus_client's WSGI app: text format, OpenMetrics and gzip when asked for),
+``/healthz`` and ``/readyz`` (:class:`common.health.Health`). The API's gunicorn workers
+share one port and use prometheus_client's multiprocess mode instead (values in per-process
+mmap files under ``PROMETHEUS_MULTIPROC_DIR``, which must be set before this module is first
+imported): :func:`render_multiprocess` sums them. Their registry is *buffered* (counts add up
+in memory and are flushed into prometheus_client every second, see
+:mod:`common.metrics_buffer`), because a multiprocess value write is an mmap write.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from bisect import bisect_left
-from collections.abc import Iterable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from socketserver import ThreadingMixIn
+from typing import Any, Literal
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from common.health import Health
+from common.metrics_buffer import BufferedCount, BufferedObserver, Buffers, Flushable
 
 logger = logging.getLogger(__name__)
 
-LabelValues = tuple[str, ...]
 DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+
+_Labels = tuple[str, ...]
+GaugeMode = Literal["all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum",
+                    "mostrecent", "livemostrecent"]
 
 
 class _Metric:
-    kind = "untyped"
+    """One metric family. Recorders are cached by the caller's keyword labels as given, so
+    the hot path is one dict lookup; a miss resolves them (a missing label is ``""``)."""
 
-    def __init__(self, name: str, doc: str, labels: Sequence[str] = ()) -> None:
-        self.name, self.doc, self.labels = name, doc, tuple(labels)
-        self._lock = threading.Lock()
-        self._values: dict[LabelValues, Any] = {}
+    def __init__(self, metric: Any, labels: Sequence[str], buffers: Buffers | None) -> None:
+        self.name: str = metric.describe()[0].name  # a counter's name without "_total"
+        self.labels = tuple(labels)
+        self._metric = metric
+        self._buffers = buffers
+        self._by_call: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._by_values: dict[_Labels, Any] = {}
 
-    def _key(self, labels: dict[str, str]) -> LabelValues:
-        return tuple(str(labels.get(n, "")) for n in self.labels)
+    def _buffered(self, child: Any) -> Flushable | None:
+        return None
+
+    def _get(self, labels: dict[str, str]) -> Any:
+        try:
+            return self._by_call[tuple(labels.items())]
+        except KeyError:
+            child = self._child(labels)
+            buffered = self._buffered(child) if self._buffers is not None else None
+            if buffered is not None and self._buffers is not None:
+                self._buffers.add(buffered)
+            recorder = self._by_call[tuple(labels.items())] = buffered or child
+            return recorder
+
+    def _child(self, labels: dict[str, str]) -> Any:
+        if not self.labels:
+            return self._metric  # labels given to an unlabelled metric are ignored
+        key = tuple([str(labels.get(n, "")) for n in self.labels])
+        child = self._by_values.get(key)
+        if child is None:
+            child = self._by_values[key] = self._metric.labels(*key)
+        return child
+
+    def _read(self, labels: dict[str, str], suffix: str) -> float:
+        """This process's current value of the series (0 if never recorded)."""
+        if self._buffers is not None:
+            self._buffers.flush()
+        if self.labels and tuple([str(labels.get(n, "")) for n in self.labels]) \
+                not in self._by_values:
+            return 0.0
+        for family in self._child(labels).collect():
+            for sample in family.samples:
+                if sample.name == self.name + suffix:
+                    return float(sample.value)
+        return 0.0
 
 
 class Counter(_Metric):
-    kind = "counter"
+    def _buffered(self, child: Any) -> Flushable | None:
+        return BufferedCount(child)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
+        self._get(labels).inc(amount)
 
     def value(self, **labels: str) -> float:
-        return float(self._values.get(self._key(labels), 0.0))
+        return self._read(labels, "_total")
 
 
-class Gauge(Counter):
-    kind = "gauge"
-
+class Gauge(_Metric):
     def set(self, value: float, **labels: str) -> None:
-        with self._lock:
-            self._values[self._key(labels)] = float(value)
+        self._get(labels).set(value)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        self._get(labels).inc(amount)
+
+    def value(self, **labels: str) -> float:
+        return self._read(labels, "")
 
 
 class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, doc: str, labels: Sequence[str] = (),
-                 buckets: Sequence[float] = DEFAULT_BUCKETS) -> None:
-        super().__init__(name, doc, labels)
-        self.buckets = tuple(sorted(buckets))
+    def _buffered(self, child: Any) -> Flushable | None:
+        try:
+            return BufferedObserver(child)
+        except AttributeError:  # another prometheus_client layout: record unbuffered
+            return None
 
     def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            state = self._values.setdefault(key, [[0] * (len(self.buckets) + 1), 0.0])
-            state[0][bisect_left(self.buckets, value)] += 1
-            state[1] += value
+        self._get(labels).observe(value)
+
+    def count(self, **labels: str) -> float:
+        """Observations so far in this process."""
+        return self._read(labels, "_count")
 
 
 class Registry:
-    def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
+    """A process's metrics; ``collector`` is the prometheus_client registry behind them."""
 
-    def _add(self, metric: _Metric) -> Any:
-        self._metrics[metric.name] = metric
-        return metric
+    def __init__(self, buffered: bool = False) -> None:
+        """``buffered``: counters and histograms add up in memory and are flushed into
+        prometheus_client (see :mod:`common.metrics_buffer`; for multiprocess mode)."""
+        self.collector = CollectorRegistry(auto_describe=True)
+        self.buffers = Buffers() if buffered else None
+
+    def flush(self) -> None:
+        if self.buffers is not None:
+            self.buffers.flush()
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-        return self._add(Counter(name, doc, labels))  # type: ignore[no-any-return]
+        return Counter(prometheus_client.Counter(
+            name, doc, tuple(labels), registry=self.collector), labels, self.buffers)
 
-    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
-        return self._add(Gauge(name, doc, labels))  # type: ignore[no-any-return]
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = (),
+              multiprocess_mode: GaugeMode = "livesum") -> Gauge:
+        """``multiprocess_mode`` matters only under multiprocess mode: the default sums the
+        live processes' values (a dead process's gauge is dropped by ``mark_process_dead``)."""
+        return Gauge(prometheus_client.Gauge(
+            name, doc, tuple(labels), registry=self.collector,
+            multiprocess_mode=multiprocess_mode), labels, None)
 
     def histogram(self, name: str, doc: str, labels: Sequence[str] = (),
                   buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
-        return self._add(Histogram(name, doc, labels, buckets))  # type: ignore[no-any-return]
-
-    def snapshot(self) -> dict[str, Any]:
-        """A JSON-able copy: name → {kind, doc, labels, buckets?, values: [[labels, v], …]}."""
-        out: dict[str, Any] = {}
-        for m in self._metrics.values():
-            with m._lock:
-                values = [[list(k), _copy(v)] for k, v in m._values.items()]
-            out[m.name] = {"kind": m.kind, "doc": m.doc, "labels": list(m.labels),
-                           "buckets": list(getattr(m, "buckets", ())), "values": values}
-        return out
+        return Histogram(prometheus_client.Histogram(
+            name, doc, tuple(labels), registry=self.collector, buckets=sorted(buckets)),
+            labels, self.buffers)
 
     def render(self) -> str:
-        return render(self.snapshot())
+        """This registry in the Prometheus text format."""
+        self.flush()
+        return generate_latest(self.collector).decode()
 
 
-def _copy(v: Any) -> Any:
-    return [list(v[0]), v[1]] if isinstance(v, list) else v
+def multiprocess_enabled() -> bool:
+    """Whether prometheus_client picked its multiprocess values when first imported (it
+    reads ``PROMETHEUS_MULTIPROC_DIR`` once, at import; see :mod:`services.api.api_metrics`)."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
-def merge_snapshots(snaps: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Sum counters and histograms across processes; gauges are summed too (per-process sizes)."""
-    merged: dict[str, Any] = {}
-    for snap in snaps:
-        for name, m in snap.items():
-            into = merged.setdefault(name, {**m, "values": []})
-            index = {tuple(lv): i for i, (lv, _) in enumerate(into["values"])}
-            for lv, v in m["values"]:
-                i = index.get(tuple(lv))
-                if i is None:
-                    into["values"].append([lv, _copy(v)])
-                    index[tuple(lv)] = len(into["values"]) - 1
-                elif isinstance(v, list):
-                    cur = into["values"][i][1]
-                    cur[0] = [a + b for a, b in zip(cur[0], v[0])]
-                    cur[1] += v[1]
-                else:
-                    into["values"][i][1] += v
-    return merged
+def render_multiprocess(path: str) -> bytes:
+    """The sum over every process that wrote metric files under ``path`` (live or dead)."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
+    return generate_latest(registry)
 
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+# ---- the workers' HTTP endpoint --------------------------------------------------------
+
+_WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
 
-def render(snapshot: dict[str, Any]) -> str:
-    lines: list[str] = []
-    for name, m in snapshot.items():
-        lines += [f"# HELP {name} {m['doc']}", f"# TYPE {name} {m['kind']}"]
-        for lv, v in m["values"]:
-            if m["kind"] != "histogram":
-                lines.append(f"{name}{_labels(m['labels'], lv)} {_num(v)}")
-                continue
-            counts, total, cum = v[0], v[1], 0
-            for bound, c in zip([*m["buckets"], float("inf")], counts):
-                cum += c
-                le = "+Inf" if bound == float("inf") else repr(float(bound))
-                le_label = 'le="' + le + '"'
-                lines.append(f"{name}_bucket{_labels(m['labels'], lv, le_label)} {cum}")
-            lines.append(f"{name}_sum{_labels(m['labels'], lv)} {_num(total)}")
-            lines.append(f"{name}_count{_labels(m['labels'], lv)} {cum}")
-    return "\n".join(lines) + "\n"
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (base signature)
+        pass
 
 
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
+def _text(start_response: Callable[..., Any], status: str, body: str) -> list[bytes]:
+    data = body.encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                            ("Content-Length", str(len(data)))])
+    return [data]
 
 
-def serve(registry: Registry, host: str, port: int) -> ThreadingHTTPServer:
-    """Serve ``GET /metrics`` (and ``/healthz``) from a daemon thread; returns the server."""
+def endpoint(registry: Registry, health: Health | None = None) -> _WSGIApp:
+    """The WSGI app :func:`serve` runs: ``/metrics``, ``/healthz``, ``/readyz``."""
+    metrics_app = make_wsgi_app(registry.collector)
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
-            if self.path.split("?")[0] == "/metrics":
-                body, ctype = registry.render().encode(), "text/plain; version=0.0.4"
-                code = 200
-            elif self.path == "/healthz":
-                body, ctype, code = b"ok\n", "text/plain", 200
-            else:
-                body, ctype, code = b"not found\n", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        if path in ("/healthz", "/readyz"):
+            if health is None:
+                return _text(start_response, "200 OK", "ok\n")
+            ok, detail = health.liveness() if path == "/healthz" else health.readiness()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            return _text(start_response, status, detail + "\n")
+        return _text(start_response, "404 Not Found", "not found\n")
 
-        def log_message(self, *_args: Any) -> None:
-            pass
+    return app
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+
+def serve(registry: Registry, host: str, port: int,
+          health: Health | None = None) -> WSGIServer:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from daemon threads; returns the
+    server (``server_address``, ``shutdown()``). Without ``health`` both probes answer 200."""
+    server = make_server(host, port, endpoint(registry, health), server_class=_Server,
+                         handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     logger.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
     return server

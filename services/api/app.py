@@ -15,7 +15,6 @@ elsewhere ``{"message": …, "status": …}``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -29,7 +28,8 @@ from common.errors import RequestError
 from common.redis_client import Client, connect
 from common.store import Store
 from services.api import hit_rate
-from services.api.api_metrics import METRICS_DIR_ENV, ApiMetrics
+from services.api import api_metrics
+from services.api.api_metrics import ApiMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _Metrics:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
-        resp.text = self.metrics.render()
+        resp.data = self.metrics.render()
 
 
 class _RequestMetrics:
@@ -157,13 +157,13 @@ def build_app(config: Config) -> App:
     """Real dependencies from ``config``; metrics shared through the gunicorn master's dir."""
     hasher = BlockHasher(hash_settings(config))
     hasher.member_keys(list(range(16)), 16)  # builds its lazy tables before the first request
-    metrics = ApiMetrics(os.environ.get(METRICS_DIR_ENV) or None)
-    metrics.start_flusher()
+    metrics = api_metrics.from_environment()
     return create_app(config, Store(redis_client(config)), hasher, metrics)
 
 
 def get_app() -> App:
     """Entry point for a plain ``gunicorn 'services.api.app:get_app()'``: config from
     ``CACHE_INDEXER_CONFIG`` (defaults when unset). Without the hooks of
-    :mod:`services.api.gunicorn_conf`, ``/metrics`` then shows only the answering worker."""
+    :mod:`services.api.gunicorn_conf`, ``/metrics`` then shows only the answering worker,
+    unless gunicorn is started with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory."""
     return build_app(load_config(config_path_from(None)))

@@ -15,11 +15,12 @@ How each ``http.*`` key is enforced (gunicorn 22+, ``gthread`` workers):
 | readTimeout         | not enforced                | as above |
 
 Durations are rounded up to whole seconds (gunicorn takes integers). The hooks run the
-cross-worker metrics (:mod:`services.api.api_metrics`): the master creates the shared
-directory before forking (``on_starting``), folds a dead worker's counts into the retired
-sum (``child_exit``) and removes the directory on exit; a worker writes a last snapshot as
-it exits (``worker_exit``). gunicorn's own log records go to the root handler that
-:func:`common.logs.configure` installed.
+cross-worker metrics (prometheus_client's multiprocess mode, :mod:`services.api.api_metrics`):
+the master creates an empty directory and exports ``PROMETHEUS_MULTIPROC_DIR`` before forking
+(``on_starting``), marks a dead worker dead (``child_exit``: its live gauges go, its counts
+stay) and removes the directory on exit; an exiting worker flushes its buffered counts
+(``worker_exit``). gunicorn's own log records go to the root handler
+that :func:`common.logs.configure` installed.
 """
 
 from __future__ import annotations
@@ -88,23 +89,29 @@ class RootLogger(glogging.Logger):  # type: ignore[misc]
 
 
 def on_starting(arbiter: Any) -> None:
-    """Master, before forking: the shared metrics directory, inherited by workers via env."""
-    os.environ[api_metrics.METRICS_DIR_ENV] = tempfile.mkdtemp(prefix="cache-indexer-metrics-")
+    """Master, before forking: a fresh multiprocess directory, inherited by workers via env
+    (always our own: files left by another server would be counted as ours)."""
+    os.environ[api_metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="cache-indexer-metrics-")
 
 
 def child_exit(arbiter: Any, worker: Any) -> None:
-    """Master: keep a dead worker's counts in the retired sum and drop its file."""
-    shared = os.environ.get(api_metrics.METRICS_DIR_ENV)
+    """Master: a worker died; its live gauges go, its counter/histogram files stay."""
+    shared = os.environ.get(api_metrics.MULTIPROC_ENV)
     if shared:
-        api_metrics.SnapshotDir(shared).retire(worker.pid)
+        from prometheus_client import multiprocess  # here, after on_starting set the env
+
+        multiprocess.mark_process_dead(worker.pid, shared)  # type: ignore[no-untyped-call]
 
 
 def worker_exit(arbiter: Any, worker: Any) -> None:
-    """Worker, exiting: a last snapshot so the master can retire up-to-date counts."""
-    api_metrics.flush_active()
+    """Worker, exiting: flush its buffered counts into its files."""
+    if os.environ.get(api_metrics.MULTIPROC_ENV):
+        from common.metrics_buffer import flush_all
+
+        flush_all()
 
 
 def on_exit(arbiter: Any) -> None:
-    shared = os.environ.pop(api_metrics.METRICS_DIR_ENV, None)
+    shared = os.environ.pop(api_metrics.MULTIPROC_ENV, None)
     if shared:
         shutil.rmtree(shared, ignore_errors=True)

@@ -21,6 +21,7 @@ import threading
 from common import logs
 from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
+from common.health import Health
 from common.lifecycle import Backoff, install_signal_handlers
 from common.metrics import Registry, serve
 from common.redis_client import connect
@@ -66,13 +67,14 @@ def main(argv: list[str]) -> int:
         return 2
     stop = threading.Event()
     install_signal_handlers(stop)
+    health = Health(cfg.metrics.liveness_timeout)
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
     if port:
-        serve(registry, cfg.metrics.addr, port)
+        serve(registry, cfg.metrics.addr, port, health)
     client = connect(cfg.redis, retries=3)
     holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
     reconciler = Reconciler(Store(client), holder, cfg.discovery.lease_ttl, metrics)
     l1 = cfg.ingest.l1
-    run(source, reconciler, stop, Backoff(l1.backoff_initial, l1.backoff_max))
+    run(source, reconciler, stop, Backoff(l1.backoff_initial, l1.backoff_max), health)
     client.close()
     return 0

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import redis
 
+from common.health import Health
 from common.lifecycle import Backoff, StateLog
 from common.store import Instance, Store
 from services.discovery.metrics import DiscoveryMetrics
@@ -158,17 +159,23 @@ def _differs(cur: Instance | None, new: Instance) -> bool:
     return (cur.uid, cur.restarts, cur.meta_fields()) != (new.uid, new.restarts, new.meta_fields())
 
 
-def run(source: Source, reconciler: Reconciler, stop: threading.Event, backoff: Backoff) -> None:
-    """Reconcile on every source change and every lease renewal until ``stop`` is set."""
+def run(source: Source, reconciler: Reconciler, stop: threading.Event, backoff: Backoff,
+        health: Health | None = None) -> None:
+    """Reconcile on every source change and every lease renewal until ``stop`` is set.
+    Beats ``health`` once per pass; ready once a pass has reached Redis."""
     redis_log = StateLog(logger, "redis")
+    health = health or Health()
+    beat, ready = health.heartbeat("discovery loop"), health.condition("registry")
     source.start()
     try:
         while not stop.is_set():
+            beat.beat()
             source.changed.clear()
             delay = reconciler.renew_every
             try:
                 reconciler.sync(source.desired())
                 redis_log.set("ok")
+                ready.set(True)
                 backoff.reset()
             except LeaseLost:
                 logger.warning("discovery lease not renewed in time; writes paused")
@@ -177,13 +184,17 @@ def run(source: Source, reconciler: Reconciler, stop: threading.Event, backoff: 
             except redis.RedisError as exc:
                 reconciler.metrics.errors.inc(kind="redis")
                 redis_log.set("down", f"{type(exc).__name__}: {exc}", logging.WARNING)
+                ready.set(False, f"Redis: {type(exc).__name__}: {exc}")
                 delay = backoff.next_delay()
             except Exception:  # top of the loop: log it, back off, keep the registry
                 logger.exception("reconcile pass failed")
                 reconciler.metrics.errors.inc(kind="internal")
+                ready.set(False, "the last pass failed (see the log)")
                 delay = backoff.next_delay()
+            beat.beat(delay)  # a planned wait, not a stall
             _wait(stop, source.changed, delay)
     finally:
+        beat.close()
         source.close()
         reconciler.release()
 

@@ -22,6 +22,7 @@ import redis
 from common import logs
 from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
+from common.health import Health
 from common.lifecycle import Backoff, install_signal_handlers
 from common.metrics import serve
 from common.redis_client import connect
@@ -61,9 +62,10 @@ def main(argv: list[str]) -> int:
     logs.configure(cfg.log.level, cfg.log.format)
     l1 = cfg.ingest.l1
     metrics = IngestMetrics()
+    health = Health(cfg.metrics.liveness_timeout)
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
     if port:
-        serve(metrics.registry, cfg.metrics.addr, port)
+        serve(metrics.registry, cfg.metrics.addr, port, health)
     client = connect(cfg.redis, retries=3)
     store = Store(client)
     ingester_id = args.id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -74,13 +76,13 @@ def main(argv: list[str]) -> int:
         f"static shard {shard}/{shards}" if static else f"lease mode, ttl {l1.lease_ttl}s")
     stop = threading.Event()
     install_signal_handlers(stop)
-    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner)
+    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner, health=health)
     thread = threading.Thread(target=subscriber.run, args=(stop,), name="subscriber")
     thread.start()
     interval = 1.0 if static else min(1.0, l1.heartbeat_interval)
     try:
         run_assignment(stop, store, assigner, subscriber.set_instances, interval=interval,
-                       backoff=Backoff(l1.backoff_initial, l1.backoff_max))
+                       backoff=Backoff(l1.backoff_initial, l1.backoff_max), health=health)
     finally:
         stop.set()
         thread.join()

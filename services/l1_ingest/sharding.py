@@ -26,6 +26,7 @@ from typing import Protocol
 
 import redis
 
+from common.health import Health
 from common.lifecycle import Backoff
 from common.store import Instance, Store
 
@@ -128,8 +129,11 @@ class Assigner(Protocol):
 
 def run_assignment(stop: threading.Event, store: Store, assigner: Assigner,
                    publish: Callable[[dict[str, Instance]], None], *, interval: float,
-                   backoff: Backoff) -> None:
-    """Every ``interval``: re-read the registry, decide this process's share, publish it."""
+                   backoff: Backoff, health: Health | None = None) -> None:
+    """Every ``interval``: re-read the registry, decide this process's share, publish it.
+    Beats ``health`` once per round; ready while the registry was last read."""
+    health = health or Health()
+    beat, ready = health.heartbeat("assignment loop"), health.condition("redis")
     failing = False
     while not stop.is_set():
         try:
@@ -138,9 +142,12 @@ def run_assignment(stop: threading.Event, store: Store, assigner: Assigner,
             if failing:
                 logger.info("registry reachable again")
             failing = False
+            ready.set(True)
             backoff.reset()
         except redis.RedisError as exc:
             delay = backoff.next_delay()
             logger.warning("cannot read the registry (%s); retrying in %.1fs", exc, delay)
             failing = True
-        stop.wait(delay)
+            ready.set(False, f"cannot read the registry: {type(exc).__name__}: {exc}")
+        beat.wait(stop, delay)
+    beat.close()

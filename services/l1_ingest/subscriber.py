@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common.config import IngestL1
+from common.health import Health
 from common.lifecycle import Backoff, StateLog
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
@@ -72,8 +73,10 @@ class Subscriber:
     """All subscriptions of one ingester process; :meth:`run` is its thread."""
 
     def __init__(self, store: Store, cfg: IngestL1, metrics: IngestMetrics, *, owner: str = "",
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 health: Health | None = None) -> None:
         self.store, self.cfg, self.metrics, self.owner = store, cfg, metrics, owner
+        self._beat = (health or Health()).heartbeat("subscriber loop")
         self.ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
         self._incoming: dict[str, Instance] | None = None
@@ -97,12 +100,15 @@ class Subscriber:
         logger.info("subscriber started (topic %r)", self.cfg.topic)
         try:
             while not stop.is_set():
+                self._beat.beat()
                 try:
                     self.run_once(stop=stop)
                 except Exception:  # the top of the loop: log, keep serving other instances
                     logger.exception("subscriber loop error")
                     stop.wait(0.1)
         finally:
+            if stop.is_set():  # a thread that died otherwise must keep failing /healthz
+                self._beat.close()
             self.close()
 
     def run_once(self, timeout_ms: int = POLL_MS, stop: threading.Event | None = None) -> None:

@@ -18,6 +18,7 @@ import threading
 from common import logs
 from common.config import config_path_from, load_config
 from common.errors import ConfigError
+from common.health import Health
 from common.lifecycle import install_signal_handlers
 from common.metrics import serve
 from common.redis_client import connect
@@ -43,16 +44,18 @@ def main(argv: list[str]) -> int:
     logs.configure(cfg.log.level, cfg.log.format)
     l3 = cfg.ingest.l3
     metrics = PollerMetrics.register()
+    health = Health(cfg.metrics.liveness_timeout)
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
     if port:
-        serve(metrics.registry, cfg.metrics.addr, port)
+        serve(metrics.registry, cfg.metrics.addr, port, health)
     client = connect(cfg.redis, retries=3)
     logging.getLogger(__name__).info(
         "l3-poll: scope %s, every %gs, stale after %gs, batches of %d keys",
         l3.scope, l3.poll_interval, l3.stale_after, l3.batch_size)
     stop = threading.Event()
     install_signal_handlers(stop)
-    poller = L3Poller(l3, cfg.discovery.segments_fetch_timeout, Store(client), metrics)
+    poller = L3Poller(l3, cfg.discovery.segments_fetch_timeout, Store(client), metrics,
+                      health=health)
     poller.run(stop)
     client.close()
     return 0

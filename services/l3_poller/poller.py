@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import redis
 
 from common.config import IngestL3
+from common.health import Health, Heartbeat
 from common.lifecycle import Backoff, StateLog
 from common.store import Store
 from services.l3_poller.client import (
@@ -79,9 +80,11 @@ class MasterPoller:
     """Polls one master until ``stop`` is set; publishes every good poll to the writer."""
 
     def __init__(self, url: str, cfg: IngestL3, client: MasterClient, writer: L3Writer,
-                 metrics: PollerMetrics, stop: threading.Event) -> None:
+                 metrics: PollerMetrics, stop: threading.Event,
+                 beat: Heartbeat | None = None) -> None:
         self.url, self.cfg, self.client, self.writer = url, cfg, client, writer
         self.metrics, self.stop = metrics, stop
+        self.beat = beat or Health().heartbeat(f"master {url}")
         self.index = MasterIndex(locate=cfg.scope == "segment", ns_memory=cfg.stale_after)
         self.has_batch = True
         self.view: MasterView | None = None
@@ -105,7 +108,8 @@ class MasterPoller:
                 last_ok, dropped = time.monotonic(), False
                 backoff.reset()
                 delay = interval - (last_ok - started)
-            self.stop.wait(max(delay, 0.0))
+            self.beat.wait(self.stop, delay)
+        self.beat.close()
         self.client.close()
 
     def _poll_safely(self) -> bool:
@@ -144,6 +148,7 @@ class MasterPoller:
             pending = _Pending(self.cfg.batch_size, [], [], [])
             deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
             for lines in self.client.iter_keys(deadline, self.index.stats.skipped):
+                self.beat.beat()
                 for key, key_id in self.index.feed(lines):
                     pending.add(key, key_id)
                 if self.stop.is_set():
@@ -178,6 +183,7 @@ class MasterPoller:
         inflight = deque()
         with ThreadPoolExecutor(max_workers=_IN_FLIGHT, thread_name_prefix="l3-locate") as ex:
             for blob, ids in batches:
+                self.beat.beat()
                 if self.stop.is_set():
                     raise _Stopped
                 keys = blob.split(b",")
@@ -214,8 +220,11 @@ class L3Poller:
     """Follows the master registry; one :class:`MasterPoller` thread per master URL."""
 
     def __init__(self, cfg: IngestL3, segments_timeout: float, store: Store,
-                 metrics: PollerMetrics, client_factory: ClientFactory | None = None) -> None:
+                 metrics: PollerMetrics, client_factory: ClientFactory | None = None,
+                 health: Health | None = None) -> None:
         self.cfg, self.store, self.metrics = cfg, store, metrics
+        self.health = health or Health()
+        self._ready = self.health.condition("redis")
         self.writer = L3Writer(store, cfg.scope, metrics)
         self._factory = client_factory or (
             lambda url: MasterClient(url, cfg.http_timeout, segments_timeout))
@@ -224,11 +233,14 @@ class L3Poller:
 
     def run(self, stop: threading.Event) -> None:
         """Re-read the registry every ``pollInterval`` until ``stop``; then stop all threads."""
+        beat = self.health.heartbeat("master registry loop")
         try:
             while not stop.is_set():
+                beat.beat()
                 self.reconcile()
-                stop.wait(min(self.cfg.poll_interval, 5.0))
+                beat.wait(stop, min(self.cfg.poll_interval, 5.0))
         finally:
+            beat.close()
             for url in list(self.pollers):
                 self._stop_master(url, publish=False)
 
@@ -237,11 +249,13 @@ class L3Poller:
             masters = {self._url(u) for u in self.store.list_masters()}
         except redis.RedisError as exc:
             self._log.set("unreadable", repr(exc), logging.WARNING)
+            self._ready.set(False, f"cannot read the master registry: {exc!r}")
             return
         self._log.set("read", f"{len(masters)} masters")
+        self._ready.set(True)
         for url in sorted(masters - self.pollers.keys()):
             poller = MasterPoller(url, self.cfg, self._factory(url), self.writer, self.metrics,
-                                  threading.Event())
+                                  threading.Event(), self.health.heartbeat(f"master {url}"))
             self.writer.enroll(url, poller)
             thread = threading.Thread(target=poller.run, name=f"l3 {url}", daemon=True)
             self.pollers[url] = (poller, thread)

@@ -163,8 +163,8 @@ def test_end_to_end_prefix_lengths_match_the_simulator(
     assert [m for m in mismatches if m[1] != m[2]] == []
     assert any(m[2] > 0 for m in mismatches) and any(m[2] == 0 for m in mismatches)
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-    assert "cache_indexer_l1_connected_sockets 2" in text
-    assert 'cache_indexer_l1_events_total{type="BlockStored",outcome="l2"}' in text
+    assert "cache_indexer_l1_connected_sockets 2.0\n" in text
+    assert 'cache_indexer_l1_events_total{outcome="l2",type="BlockStored"}' in text  # sorted
     assert 'cache_indexer_l1_gaps_total{outcome="recovered"}' in text
     # Warm shutdown: exit 0 and hand the lease back at once (no waiting for its TTL).
     procs[0].send_signal(signal.SIGTERM)

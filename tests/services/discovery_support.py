@@ -93,5 +93,7 @@ class RunningDiscovery:
 
     def writes(self) -> float:
         """Registry writes this loop made (every action)."""
-        snap = self.registry.snapshot()["cache_indexer_discovery_registry_changes_total"]
-        return float(sum(v for _, v in snap["values"]))
+        return float(sum(
+            s.value for family in self.registry.collector.collect()
+            if family.name == "cache_indexer_discovery_registry_changes"
+            for s in family.samples if s.name.endswith("_total")))

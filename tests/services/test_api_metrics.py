@@ -1,56 +1,46 @@
-"""Cross-worker metrics: per-pid snapshot files summed, dead workers' counts kept."""
+"""The API's metrics: one process's own registry, and the import order that multiprocess
+mode needs (the real cross-worker sum is tested under gunicorn in
+tests/integration/test_api_metrics_gunicorn.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-from services.api.api_metrics import ApiMetrics, SnapshotDir
+import pytest
+
+from services.api.api_metrics import ApiMetrics
+from tests.conftest import ROOT
 
 PATH = "/kv-cache/hit-rate"
 
 
-def _worker(shared: Path | None, requests: int) -> ApiMetrics:
-    metrics = ApiMetrics(shared)
-    for _ in range(requests):
-        metrics.requests.inc(path=PATH, status="200")
-        metrics.latency.observe(0.003, path=PATH)
-    return metrics
-
-
-def _line(text: str, prefix: str) -> str:
-    return next(line for line in text.splitlines() if line.startswith(prefix))
-
-
-def test_scrape_sums_every_worker_file(tmp_path: Path) -> None:
-    shared = SnapshotDir(tmp_path)
-    shared.write(4242, _worker(None, 3).registry.snapshot())  # two sibling workers
-    shared.write(4243, _worker(None, 5).registry.snapshot())
-    text = _worker(tmp_path, 1).render()  # this worker's own count is written on scrape
-    assert _line(text, "cache_indexer_api_requests_total{") == (
-        f'cache_indexer_api_requests_total{{path="{PATH}",status="200"}} 9')
-    assert _line(text, "cache_indexer_api_request_duration_seconds_count").endswith(" 9")
-    assert len(list(tmp_path.glob("worker-*.json"))) == 3
-
-
-def test_a_retired_worker_keeps_its_counts_and_its_pid_can_be_reused(tmp_path: Path) -> None:
-    shared = SnapshotDir(tmp_path)
-    shared.write(100, _worker(None, 2).registry.snapshot())
-    shared.write(101, _worker(None, 1).registry.snapshot())
-    shared.retire(100)
-    shared.retire(101)
-    assert sorted(p.name for p in tmp_path.glob("worker-*.json")) == []
-    shared.write(100, _worker(None, 4).registry.snapshot())  # a new worker, same pid
-    text = ApiMetrics(tmp_path).render()
-    assert _line(text, "cache_indexer_api_requests_total{").endswith(" 7")
-
-
-def test_unreadable_snapshot_is_skipped(tmp_path: Path) -> None:
-    (tmp_path / "worker-7.json").write_bytes(b"{not json")
-    text = _worker(tmp_path, 2).render()
-    assert _line(text, "cache_indexer_api_requests_total{").endswith(" 2")
-
-
 def test_without_a_shared_dir_a_worker_renders_its_own_registry() -> None:
-    metrics = _worker(None, 0)
+    metrics = ApiMetrics()
     metrics.hashed_blocks.inc(5)
-    assert "cache_indexer_api_hashed_blocks_total 5" in metrics.render()
+    metrics.requests.inc(path=PATH, status="200")
+    metrics.latency.observe(0.003, path=PATH)
+    text = metrics.render().decode()
+    assert "cache_indexer_api_hashed_blocks_total 5.0" in text
+    assert f'cache_indexer_api_requests_total{{path="{PATH}",status="200"}} 1.0' in text
+    assert f'cache_indexer_api_request_duration_seconds_bucket{{le="0.005",path="{PATH}"}} 1.0' \
+        in text
+    assert "_created" not in text
+    assert metrics.requests.value(path=PATH, status="200") == 1
+
+
+def test_the_gunicorn_master_does_not_import_prometheus_client() -> None:
+    """prometheus_client picks its multiprocess values at import: the master, which sets
+    PROMETHEUS_MULTIPROC_DIR in on_starting, must not have imported it before."""
+    code = ("import sys, services.cli, services.api.main, services.api.gunicorn_conf; "
+            "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_worker_refuses_multiprocess_mode_when_imported_too_early(tmp_path: Path) -> None:
+    # This test process imported prometheus_client without PROMETHEUS_MULTIPROC_DIR.
+    with pytest.raises(RuntimeError, match="imported before PROMETHEUS_MULTIPROC_DIR"):
+        ApiMetrics(tmp_path)

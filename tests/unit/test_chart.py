@@ -171,6 +171,23 @@ def test_chart_lints_and_renders_the_contract(helm: Any, values: Any, tmp_path: 
     assert cfg.redis.url == "redis://rel-cache-indexer-redis:6379/0"
     assert cfg.discovery.labels.pd_role_value == ["prefill", "aggregate"]
     assert cfg.ingest.l1.shard_mode == "lease" and cfg.metrics.addr == "0.0.0.0"
+    assert (cfg.metrics.port, cfg.metrics.liveness_timeout) == (9090, 60)
+    for worker in ("discovery", "l1-ingest", "l3-poll"):
+        (ctr,) = _deployment(docs, worker)["spec"]["template"]["spec"]["containers"]
+        assert ctr["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+        for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+            assert ctr[probe]["httpGet"] == {"path": path, "port": "metrics"}, (worker, probe)
+
+
+def test_worker_probes_follow_the_metrics_values(helm: Any, tmp_path: Path) -> None:
+    docs = _render(helm, {"metrics": {"readinessProbe": False, "livenessTimeout": "2m"}})
+    (ctr,) = _deployment(docs, "l1-ingest")["spec"]["template"]["spec"]["containers"]
+    assert "readinessProbe" not in ctr and ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert _rendered_config(docs, tmp_path).metrics.liveness_timeout == 120
+    docs = _render(helm, {"metrics": {"enabled": False}})
+    (ctr,) = _deployment(docs, "l3-poll")["spec"]["template"]["spec"]["containers"]
+    assert "livenessProbe" not in ctr and "readinessProbe" not in ctr and "ports" not in ctr
+    assert _rendered_config(docs, tmp_path).metrics.port == 0
 
 
 def test_rbac_is_pods_read_only_in_the_namespace(helm: Any) -> None:

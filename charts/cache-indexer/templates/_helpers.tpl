@@ -216,6 +216,9 @@ spec:
               containerPort: {{ $root.Values.metrics.port | int }}
               protocol: TCP
           {{- end }}
+          {{- /* /healthz fails once a loop has made no progress for metrics.livenessTimeout
+          (the process already waited that long: 3 failed probes more restart it); /readyz
+          fails while the worker cannot do its work (e.g. Redis unreachable). */}}
           {{- if and $root.Values.metrics.enabled $root.Values.metrics.livenessProbe }}
           livenessProbe:
             httpGet:
@@ -223,6 +226,15 @@ spec:
               port: metrics
             initialDelaySeconds: 10
             periodSeconds: 10
-            failureThreshold: 6
+            failureThreshold: 3
+          {{- end }}
+          {{- if and $root.Values.metrics.enabled $root.Values.metrics.readinessProbe }}
+          readinessProbe:
+            httpGet:
+              path: /readyz
+              port: metrics
+            initialDelaySeconds: 2
+            periodSeconds: 5
+            failureThreshold: 3
           {{- end }}
 {{- end }}
