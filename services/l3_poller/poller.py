@@ -11,6 +11,10 @@ A failed poll (master down, slow, 503, garbage, cut body) changes nothing: the l
 state stays in Redis while the thread retries with capped, jittered backoff. Once
 ``ingest.l3.staleAfter`` has passed since the last good poll, the master's contribution is
 dropped and its instances are flagged ``stale=1``; the next good poll restores them.
+
+After every poll attempt the master's status goes to ``ci:master:{url}:state`` (fields
+:data:`STATE_FIELDS`); keys that parse as no known family are counted there, in the
+``_keys_unparsed`` gauge and logged once (with a sample) when they appear.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from services.l3_poller.client import (
     NoBatchEndpoint,
     Replicas,
 )
-from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
+from services.l3_poller.completeness import pins_by_model
+from services.l3_poller.index import Blocks, MasterIndex, PollStats, SegmentMap
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.writer import L3Writer, MasterView
 
@@ -45,6 +50,12 @@ logger = logging.getLogger(__name__)
 ClientFactory = Callable[[str], MasterClient]
 _IN_FLIGHT = 2
 """Locate requests in flight per master: one answered while the next is being served."""
+STATE_FIELDS = ("keys", "keys_unparsed", "sample_unparsed", "blocks", "updated_ms", "stale",
+                "error")
+"""``ci:master:{url}:state``: keys listed and unparsed in the last complete poll, one
+unparsed key (≤ 200 chars), complete blocks indexed, last successful poll (ms since epoch,
+"" before the first), stale ("1" once dropped after staleAfter), last poll error ("")."""
+_SAMPLE_CHARS = 200
 
 
 class _Stopped(Exception):
@@ -82,9 +93,14 @@ class MasterPoller:
                  metrics: PollerMetrics, stop: threading.Event) -> None:
         self.url, self.cfg, self.client, self.writer = url, cfg, client, writer
         self.metrics, self.stop = metrics, stop
-        self.index = MasterIndex(locate=cfg.scope == "segment", ns_memory=cfg.stale_after)
+        self.index = MasterIndex(
+            locate=cfg.scope == "segment", ns_memory=cfg.stale_after,
+            formats=tuple(cfg.key_formats),
+            pins=pins_by_model((m.name, m.heads, m.pp_ranks, m.layers) for m in cfg.models))
         self.has_batch = True
         self.view: MasterView | None = None
+        self.last_stats: PollStats | None = None
+        self.error = ""
         self._log = StateLog(logger, f"master {url}")
 
     def run(self) -> None:
@@ -105,6 +121,8 @@ class MasterPoller:
                 last_ok, dropped = time.monotonic(), False
                 backoff.reset()
                 delay = interval - (last_ok - started)
+            if not self.stop.is_set():
+                self._report()
             self.stop.wait(max(delay, 0.0))
         self.client.close()
 
@@ -116,16 +134,50 @@ class MasterPoller:
         except MasterError as exc:
             self.metrics.errors.inc(master=self.url, reason=exc.reason)
             self._log.set(f"failing ({exc.reason})", str(exc), logging.WARNING)
+            self.error = f"{exc.reason}: {exc}"
             return False
         except Exception as exc:
             logger.exception("master %s: poll failed", self.url)
             self.metrics.errors.inc(master=self.url, reason=type(exc).__name__)
+            self.error = f"{type(exc).__name__}: {exc}"
             return False
-        self.view = view
+        self.view, self.error = view, ""
+        self._note_unparsed(self.index.stats)
         self._log.set("polling", f"{view.blocks.complete} blocks")
         self.metrics.master_stale.set(0, master=self.url)
         self.writer.publish(self.url, view, owner=self)
         return True
+
+    def _note_unparsed(self, stats: PollStats) -> None:
+        """Keys in no known family: gauge, and one log line when they appear or go."""
+        before = self.last_stats.skipped["unparsed"] if self.last_stats else 0
+        now = stats.skipped["unparsed"]
+        self.last_stats = stats
+        self.metrics.keys_unparsed.set(now, master=self.url)
+        if now and not before:
+            logger.warning(
+                "master %s: %d of %d keys are in no known key family (ingest.l3.keyFormats: "
+                "%s); e.g. %r", self.url, now, stats.seen, ",".join(self.cfg.key_formats),
+                stats.sample_unparsed[:_SAMPLE_CHARS].decode("utf-8", "replace"))
+        elif before and not now:
+            logger.info("master %s: every key is in a known key family again", self.url)
+
+    def state(self) -> dict[str, str]:
+        """This master's status hash (:data:`STATE_FIELDS`)."""
+        stats, view = self.last_stats, self.view
+        return {
+            "keys": str(stats.seen if stats else 0),
+            "keys_unparsed": str(stats.skipped["unparsed"] if stats else 0),
+            "sample_unparsed": (stats.sample_unparsed.decode("utf-8", "replace")[:_SAMPLE_CHARS]
+                                if stats else ""),
+            "blocks": str(view.blocks.complete if view else 0),
+            "updated_ms": str(view.polled_ms) if view and stats else "",
+            "stale": "1" if view and view.stale else "0",
+            "error": self.error,
+        }
+
+    def _report(self) -> None:
+        self.writer.report(self.url, self.state(), owner=self)
 
     def _drop(self) -> None:
         view = self.view or MasterView(Blocks({}, array("Q"), 0), frozenset(), 0)
