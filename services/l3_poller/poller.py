@@ -13,7 +13,7 @@ state stays in Redis while the thread retries with capped, jittered backoff. Onc
 dropped and its instances are flagged ``stale=1``; the next good poll restores them.
 
 After every poll attempt the master's status goes to ``ci:master:{url}:state`` (fields
-:data:`STATE_FIELDS`); keys that parse as no known family are counted there, in the
+:data:`.status.STATE_FIELDS`); keys that parse as no known family are counted there, in the
 ``_keys_unparsed`` gauge and logged once (with a sample) when they appear.
 """
 
@@ -43,6 +43,7 @@ from services.l3_poller.client import (
 from services.l3_poller.completeness import pins_by_model
 from services.l3_poller.index import Blocks, MasterIndex, PollStats, SegmentMap
 from services.l3_poller.metrics import PollerMetrics
+from services.l3_poller.status import master_state, note_unparsed
 from services.l3_poller.writer import L3Writer, MasterView
 
 logger = logging.getLogger(__name__)
@@ -50,12 +51,6 @@ logger = logging.getLogger(__name__)
 ClientFactory = Callable[[str], MasterClient]
 _IN_FLIGHT = 2
 """Locate requests in flight per master: one answered while the next is being served."""
-STATE_FIELDS = ("keys", "keys_unparsed", "sample_unparsed", "blocks", "updated_ms", "stale",
-                "error")
-"""``ci:master:{url}:state``: keys listed and unparsed in the last complete poll, one
-unparsed key (≤ 200 chars), complete blocks indexed, last successful poll (ms since epoch,
-"" before the first), stale ("1" once dropped after staleAfter), last poll error ("")."""
-_SAMPLE_CHARS = 200
 
 
 class _Stopped(Exception):
@@ -149,32 +144,13 @@ class MasterPoller:
         return True
 
     def _note_unparsed(self, stats: PollStats) -> None:
-        """Keys in no known family: gauge, and one log line when they appear or go."""
         before = self.last_stats.skipped["unparsed"] if self.last_stats else 0
-        now = stats.skipped["unparsed"]
         self.last_stats = stats
-        self.metrics.keys_unparsed.set(now, master=self.url)
-        if now and not before:
-            logger.warning(
-                "master %s: %d of %d keys are in no known key family (ingest.l3.keyFormats: "
-                "%s); e.g. %r", self.url, now, stats.seen, ",".join(self.cfg.key_formats),
-                stats.sample_unparsed[:_SAMPLE_CHARS].decode("utf-8", "replace"))
-        elif before and not now:
-            logger.info("master %s: every key is in a known key family again", self.url)
+        note_unparsed(self.url, before, stats, self.cfg.key_formats, self.metrics)
 
     def state(self) -> dict[str, str]:
-        """This master's status hash (:data:`STATE_FIELDS`)."""
-        stats, view = self.last_stats, self.view
-        return {
-            "keys": str(stats.seen if stats else 0),
-            "keys_unparsed": str(stats.skipped["unparsed"] if stats else 0),
-            "sample_unparsed": (stats.sample_unparsed.decode("utf-8", "replace")[:_SAMPLE_CHARS]
-                                if stats else ""),
-            "blocks": str(view.blocks.complete if view else 0),
-            "updated_ms": str(view.polled_ms) if view and stats else "",
-            "stale": "1" if view and view.stale else "0",
-            "error": self.error,
-        }
+        """This master's status hash (:data:`.status.STATE_FIELDS`)."""
+        return master_state(self.last_stats, self.view, self.error)
 
     def _report(self) -> None:
         self.writer.report(self.url, self.state(), owner=self)

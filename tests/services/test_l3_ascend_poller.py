@@ -117,7 +117,7 @@ def test_key_formats_narrow_and_say_so(harness_factory: Callable[..., Harness],
 
 def test_master_state_hash(harness_factory: Callable[..., Harness], master: FakeMaster,
                            caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="services.l3_poller.poller")
+    caplog.set_level(logging.INFO, logger="services.l3_poller")
     ep_a = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
     for b in range(3):
         master.put(akey(b, 0), ep_a)
