@@ -18,6 +18,7 @@ STATE_FIELDS = ("keys", "keys_unparsed", "sample_unparsed", "blocks", "updated_m
 unparsed key (≤ 200 chars), complete blocks indexed, last successful poll (ms since epoch,
 "" before the first), stale ("1" once dropped after staleAfter), last poll error ("")."""
 SAMPLE_CHARS = 200
+ERROR_CHARS = 500
 
 
 def master_state(stats: PollStats | None, view: MasterView | None, error: str) -> dict[str, str]:
@@ -30,7 +31,7 @@ def master_state(stats: PollStats | None, view: MasterView | None, error: str) -
         "blocks": str(view.blocks.complete if view else 0),
         "updated_ms": str(view.polled_ms) if view and stats else "",
         "stale": "1" if view and view.stale else "0",
-        "error": error,
+        "error": error[:ERROR_CHARS],
     }
 
 
