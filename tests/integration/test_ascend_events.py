@@ -4,7 +4,11 @@ vLLM core events in the paired release's array encoding go to L1; the AscendStor
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -16,6 +20,7 @@ from services.l1_ingest.apply import plan_ops
 from services.simulator.ascend import ConnectorEvents
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
+from tests.conftest import ROOT
 from tests.integration.l1_support import (
     InProcessIngester,
     free_ports,
@@ -92,3 +97,17 @@ def test_ascend_stream_indexes_gpu_in_l1_and_the_pool_in_l2(
         assert ing.count("skipped_media", medium="CPU") == len(pool)
     finally:
         ing.close()
+
+
+def test_simulate_vllm_cli_plays_vllm_ascend(tmp_path: Path,
+                                             subprocess_env: dict[str, str]) -> None:
+    state = tmp_path / "sim.json"
+    sim = subprocess.run(
+        [sys.executable, "-m", "services.cli", "simulate-vllm", "--engine", "vllm-ascend",
+         "--endpoint", f"tcp://*:{free_ports()}", "--num-blocks", "40", "--rate", "100",
+         "--duration", "1", "--state-file", str(state)],
+        check=False, cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=30)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    assert "simulating vllm-ascend (vLLM 0.18.0)" in sim.stderr  # the paired release
+    truth = json.loads(state.read_text())["ranks"]["0"]
+    assert truth["pool"] and set(truth["pool"]) >= set(truth["gpu"])  # every GPU block pooled
