@@ -17,6 +17,9 @@ attached to), ``updated_ms`` (when the oldest of those masters had last been pol
 successfully; refreshed on every poll, also when the set itself is unchanged and not
 rewritten), ``blocks`` and ``stale`` (``1`` when a master it is attached to was
 dropped after ``ingest.l3.staleAfter`` without a good poll).
+
+Each master's poll status (``ci:master:{<url>}:state``) is written here too (:meth:`report`,
+after every poll attempt, only by the master's current poller) and deleted by :meth:`retire`.
 """
 
 from __future__ import annotations
