@@ -187,6 +187,20 @@ class IngestL1:
     replay_timeout: Duration = _f(Duration(5))
 
 
+KEY_FORMATS = ("vllm", "vllm-ascend")
+"""Mooncake key families the L3 poller understands (``ingest.l3.keyFormats``)."""
+
+
+@dataclass
+class L3Model:
+    """``ingest.l3.models[]``: pinned counts for one model (0 = inferred from the keys)."""
+
+    name: str = ""
+    heads: int = 0
+    pp_ranks: int = 0
+    layers: int = 0
+
+
 @dataclass
 class IngestL3:
     scheme: str = "http"
@@ -195,6 +209,8 @@ class IngestL3:
     scope: str = "segment"
     stale_after: Duration = _f(Duration(60))
     batch_size: int = 200
+    key_formats: list[str] = _f(lambda: list(KEY_FORMATS))
+    models: list[L3Model] = _f(list)
 
 
 @dataclass
@@ -329,6 +345,7 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     if cfg.metrics.liveness_timeout <= 0:
         problems.append("metrics.livenessTimeout: must be > 0")
     _check_redis(cfg.redis, problems)
+    _check_l3_keys(cfg.ingest.l3, problems)
 
 
 def _check_redis(r: Redis, problems: list[str]) -> None:
@@ -342,6 +359,29 @@ def _check_redis(r: Redis, problems: list[str]) -> None:
             problems.append(f"redis.{name}: cannot read {path}")
     if bool(r.tls.cert_file) != bool(r.tls.key_file):
         problems.append("redis.tls: certFile and keyFile go together (client certificate)")
+
+
+def _check_l3_keys(l3: IngestL3, problems: list[str]) -> None:
+    formats = l3.key_formats
+    if not formats:
+        problems.append(f"ingest.l3.keyFormats: must name at least one of {list(KEY_FORMATS)}")
+    for i, name in enumerate(formats):
+        if name not in KEY_FORMATS:
+            problems.append(f"ingest.l3.keyFormats[{i}]: {name!r} is not one of "
+                            f"{list(KEY_FORMATS)}")
+    seen: set[str] = set()
+    for i, model in enumerate(l3.models):
+        where = f"ingest.l3.models[{i}]"
+        base = model.name.rstrip("/").split("/")[-1]
+        if not base:
+            problems.append(f"{where}.name: must be the model (the key's model field or --model)")
+        elif base in seen:
+            problems.append(f"{where}.name: {model.name!r} is pinned twice")
+        seen.add(base)
+        for field_name, value in (("heads", model.heads), ("ppRanks", model.pp_ranks),
+                                  ("layers", model.layers)):
+            if value < 0:
+                problems.append(f"{where}.{field_name}: must be >= 0 (0 = inferred), got {value}")
 
 
 def _keep_seed_text(raw: Any, root: yaml.Node | None) -> None:

@@ -163,6 +163,16 @@ class Store:
     def list_masters(self) -> dict[str, str]:
         return _text_dict(self.r.hgetall(keys.MASTERS))
 
+    def set_master_state(self, url: str, state: dict[str, str]) -> None:
+        """Write a master's poll status (``keys.master_state``; the L3 poller, every poll)."""
+        self.r.hset(keys.master_state(url), mapping=dict(state))  # type: ignore[arg-type]
+
+    def drop_master_state(self, url: str) -> None:
+        self.r.delete(keys.master_state(url))
+
+    def get_master_state(self, url: str) -> dict[str, str]:
+        return _text_dict(self.r.hgetall(keys.master_state(url)))
+
     # -- leases -----------------------------------------------------------------------
 
     def claim_lease(self, key: str, holder: str, ttl_ms: int) -> bool:

@@ -19,7 +19,12 @@ With ``--real-master`` the same first/steady polls run against a real ``mooncake
 random placement over their two segments); store clients listen on all interfaces, so run
 it in a private network namespace.
 
-Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]`` and
+With ``--formats`` it compares the key families instead (scripts/bench_l3_formats.py):
+vLLM keys, vllm-ascend normal keys and vllm-ascend layer-wise keys (TP2 × 24 layers, both
+layouts), steady-state polls of the same key count side by side in one run.
+
+Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]``,
+``python scripts/bench_l3_poll.py --formats --sizes 1000000`` and
 ``unshare -n sh -c 'ip link set lo up && python scripts/bench_l3_poll.py --real-master'``.
 Prints Markdown.
 """
@@ -54,6 +59,9 @@ from services.l3_poller.writer import L3Writer  # noqa: E402
 from tests.conftest import RedisServer  # noqa: E402
 from tests.fake_master import FakeMaster  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_l3_formats  # noqa: E402
+
 PODS = [f"10.0.0.{i}" for i in range(1, 9)]
 
 
@@ -69,13 +77,14 @@ def _block_keys(rng: random.Random, n_blocks: int, eps: list[str]) -> dict[str, 
     return keys
 
 
-def serve(n_keys: int) -> None:
+def serve(n_keys: int, family: str = "") -> None:
     """Child: serve N keys; on stdin ``churn F`` replace a fraction F of the blocks."""
     rng = random.Random(7)
     master = FakeMaster("0.3.13")
     master.record_paths = False
     eps = [master.mount(f"{ip}:{12300 + r}", f"{ip}:{15000 + r}") for ip in PODS for r in (0, 1)]
-    master.set_keys(_block_keys(rng, n_keys // 2, eps))
+    master.set_keys(bench_l3_formats.family_keys(rng, family, n_keys, eps) if family
+                    else _block_keys(rng, n_keys // 2, eps))
     master.all_keys_body()
     master.start()
     print(master.url, flush=True)
@@ -321,6 +330,8 @@ def main() -> None:
     p.add_argument("--put", type=int, help=argparse.SUPPRESS)
     p.add_argument("--host", help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
+    p.add_argument("--formats", action="store_true", help="compare the key families")
+    p.add_argument("--family", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.put:
         put_client(args.put, args.host, args.master)
@@ -336,7 +347,11 @@ def main() -> None:
                       f"{q['cpu_s']:.2f} | {q['redis_write_s']:.2f} |", flush=True)
         return
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.family)
+        return
+    if args.formats:
+        bench_l3_formats.report([bench_l3_formats.compare(int(n), __file__)
+                                 for n in args.sizes.split(",")])
         return
     if args.child:
         child(args.child)

@@ -2,20 +2,22 @@
 for each instance.
 
 Per key only ``(namespace id << 64 | u64 hash) → location id`` is kept, in one dict
-(≈ 80 bytes per key measured; the key strings are never kept). A namespace is one
-(model head, tp, pcp, dcp, pp, group), interned once per distinct key prefix; a location
-is an interned tuple of replica endpoints. Located keys are not queried again while every
+(≈ 80 bytes per key measured; the key strings are never kept). A namespace is what a key
+says besides its hash (vLLM: model head, tp, pcp, dcp, pp, group; vllm-ascend: model,
+layout, pcp, dcp, head, pp, group, layer), interned once per distinct key prefix; a
+location is an interned tuple of replica endpoints. Located keys are not queried again while every
 endpoint of their location still maps to a live segment.
 
 Rules (see docs/l3-poller.md):
 
-* **complete block**: for a model head, a hash counts only when a key exists for every
-  (rank namespace, group) of that head seen within the last ``ns_memory`` seconds
-  (``ingest.l3.staleAfter``), this poll included: a block with one TP/PP shard or one
-  group missing cannot be loaded by vLLM. The memory matters when *all* keys of one
-  namespace vanish at once (its segments' pod died): for that long the head's blocks stay
-  incomplete; afterwards the head is judged by the namespaces it still has (so a
-  redeployment with another TP size is picked up).
+* **complete block**: for a deployment (vLLM: model head; vllm-ascend: model and key
+  layout), a hash counts only when a key exists in every namespace that
+  :mod:`.completeness` requires, judged on the namespaces seen within the last
+  ``ns_memory`` seconds (``ingest.l3.staleAfter``), this poll included: a block with one
+  TP/PP shard, one layer or one group missing cannot be loaded by the engine. The memory
+  matters when *all* keys of one namespace vanish at once (its segments' pod died): for
+  that long the deployment's blocks stay incomplete; afterwards it is judged by the
+  namespaces it still has (so a redeployment with another TP size is picked up).
 * scope ``segment``: an instance holds a complete block when at least one of the block's
   keys has a replica on one of the instance's segments (host of the segment name).
 * scope ``pool``: every complete block of the master counts for every instance attached
@@ -25,60 +27,30 @@ Rules (see docs/l3-poller.md):
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.l3_poller.client import Replicas
+from services.l3_poller.completeness import ModelPin, Requirements, requirements
 from services.l3_poller.keys_parser import (
+    FAMILIES,
     HASH_HEX,
     U64_MASK,
-    Namespace,
-    host_of,
+    AnyNamespace,
     is_url_safe,
     parse_prefix,
 )
+from services.l3_poller.segments import SegmentMap, canonical_ip
+
+__all__ = ["UNLOCATED", "Blocks", "MasterIndex", "PollStats", "SegmentMap", "canonical_ip"]
 
 UNLOCATED = 0
 """Location id of a key not located yet (never valid: it is queried)."""
 _PREFIX_CACHE_MAX = 65_536
 """Distinct prefixes remembered; other tenants' keys may each have their own."""
-
-
-def canonical_ip(host: str) -> str:
-    """``FD00:0::1`` → ``fd00::1``; anything that is not an IP address is kept as is."""
-    try:
-        return ipaddress.ip_address(host).compressed
-    except ValueError:
-        return host
-
-
-class SegmentMap:
-    """Segments of one master at one time: which pod IPs have segments, endpoint → pod IP."""
-
-    def __init__(self, segments: list[str], detail: dict[str, str] | None) -> None:
-        self.names = set(segments)
-        self.attached = {canonical_ip(host_of(s)) for s in segments}
-        self.detailed = detail is not None
-        self._ep_ip = {ep: canonical_ip(host_of(seg)) for ep, seg in (detail or {}).items()}
-
-    def ip_of(self, endpoint: str) -> str | None:
-        """Pod IP of a replica endpoint, ``None`` when no live segment matches it.
-
-        With ``/get_segments_detail`` the te_endpoint table is exact; without it (≤ 0.3.11)
-        the endpoint's host must be the host of a listed segment (P2PHANDSHAKE endpoints
-        have another port than the segment name, so ports cannot be compared).
-        """
-        ip = self._ep_ip.get(endpoint)
-        if ip is not None:
-            return ip
-        if self.detailed and endpoint not in self.names:
-            return None
-        ip = canonical_ip(host_of(endpoint))
-        return ip if ip in self.attached else None
 
 
 @dataclass
@@ -87,6 +59,7 @@ class PollStats:
     parsed: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     to_locate: int = 0
+    sample_unparsed: bytes = b""
 
 
 @dataclass
@@ -114,16 +87,22 @@ class Blocks:
 class MasterIndex:
     """State of one master across polls. Poll: begin → feed* → located* → commit | abort."""
 
-    def __init__(self, locate: bool = True, ns_memory: float = 60.0) -> None:
+    def __init__(self, locate: bool = True, ns_memory: float = 60.0,
+                 formats: tuple[str, ...] = FAMILIES,
+                 pins: Mapping[str, ModelPin] | None = None) -> None:
         self.locate = locate
         self.ns_memory = ns_memory
+        self.formats = tuple(formats)
+        self.pins = dict(pins or {})
         self.keys: dict[int, int] = {}
         self.required_ns: set[int] = set()
+        self._req = Requirements({}, {}, set())
         self._ns_seen: dict[int, float] = {}
-        self._prefix_ns: dict[bytes, int] = {}
-        self._ns_ids: dict[Namespace, int] = {}
+        self._prefix_ns: dict[bytes | tuple[bytes, bytes], int] = {}
+        self._ns_ids: dict[AnyNamespace, int] = {}
+        self._ns_info: list[AnyNamespace] = []
         self._head_of: list[int] = []
-        self._head_ids: dict[str, int] = {}
+        self._head_ids: dict[tuple[str, ...], int] = {}
         self._locs: list[Replicas] = [("?",), ()]
         self._loc_ids: dict[Replicas, int] = {(): 1}
         self._loc_ips: list[tuple[str, ...]] = [(), ()]
@@ -155,15 +134,19 @@ class MasterIndex:
         stats, cur, known, loc_ok = self.stats, self._cur, self.keys, self._loc_ok
         prefixes, hex_match, add_ns = self._prefix_ns, HASH_HEX.fullmatch, self._cur_ns.add
         out: list[tuple[bytes, int]] = []
-        n = unparsed = 0
+        n = bad = 0
         for line in lines:
             n += 1
             prefix, _, tail = line.rpartition(b"@")
-            ns = prefixes.get(prefix) if hex_match(tail) else -1
-            if ns is None:
-                ns = self._intern_prefix(prefix)
+            if hex_match(tail):
+                ns = prefixes.get(prefix)
+                if ns is None:
+                    ns = self._intern_prefix(prefix, b"")
+            else:  # vllm-ascend layer-wise before v0.21: …@{hex}@{layer}
+                ns, tail = self._layer_key(prefix, tail)
             if ns < 0:
-                unparsed += 1
+                bad += 1
+                self._skip(line, ns)
                 continue
             ck = (ns << 64) | int(tail[-16:], 16)
             add_ns(ns)
@@ -171,14 +154,31 @@ class MasterIndex:
             if not loc_ok[loc] and self.locate:
                 out.append((line, ck))
         stats.seen += n
-        stats.parsed += n - unparsed
-        stats.skipped["unparsed"] += unparsed
+        stats.parsed += n - bad
         unsafe = [item for item in out if not is_url_safe(item[0])]
         if unsafe:
             stats.skipped["unquotable"] += len(unsafe)
             out = [item for item in out if is_url_safe(item[0])]
         stats.to_locate += len(out)
         return out
+
+    def _layer_key(self, prefix: bytes, layer: bytes) -> tuple[int, bytes]:
+        """(namespace id or -1, hash hex) of a key whose tail is not a hash."""
+        head, _, hexpart = prefix.rpartition(b"@")
+        if not layer.isdigit() or HASH_HEX.fullmatch(hexpart) is None:
+            return -1, b""
+        ns = self._prefix_ns.get((head, layer))
+        return (self._intern_prefix(head, layer) if ns is None else ns), hexpart
+
+    def _skip(self, line: bytes, ns: int) -> None:
+        """Count a key no enabled family parses (``format_disabled``: one that
+        ``ingest.l3.keyFormats`` leaves out; ``unparsed``: in no family at all)."""
+        if ns == -2:
+            self.stats.skipped["format_disabled"] += 1
+            return
+        self.stats.skipped["unparsed"] += 1
+        if not self.stats.sample_unparsed:
+            self.stats.sample_unparsed = line
 
     def located(self, ck: int, replicas: Replicas | None) -> None:
         """Record a key's replicas; ``None`` = the key vanished since it was listed."""
@@ -201,6 +201,7 @@ class MasterIndex:
         for ns in [ns for ns, seen in self._ns_seen.items() if now - seen > self.ns_memory]:
             del self._ns_seen[ns]
         self.required_ns = set(self._ns_seen)
+        self._req = requirements(self.required_ns, self._ns_info, self._head_of, self.pins)
         self.keys = self._cur
         self._cur, self._cur_ns = {}, set()
         if len(self._locs) > 1024:
@@ -234,18 +235,21 @@ class MasterIndex:
         return Blocks({ip: array("Q", sorted(per_ip.pop(ip))) for ip in list(per_ip)}, None, n)
 
     def _completeness(self) -> tuple[set[int], dict[int, int], int]:
-        """(heads with one namespace — all their keys are complete blocks, the complete
-        ``head << 64 | hash`` ids of the other heads, number of complete blocks)."""
-        need = Counter(self._head_of[ns] for ns in self.required_ns)
-        single = {head for head, n in need.items() if n == 1}
-        head_of = self._head_of
+        """(deployments whose every key is a complete block — one required namespace and
+        nothing else, the complete ``dep << 64 | hash`` ids of the others, how many
+        complete blocks)."""
+        need, required = self._req.need, self._req.required
+        single = {dep for dep, n in need.items() if n == 1 and dep not in self._req.extra}
         counts: dict[int, int] = {}
         n_single = 0
         for ck in self.keys:
-            if head_of[ck >> 64] in single:
+            dep = required.get(ck >> 64, -1)
+            if dep < 0:
+                continue
+            if dep in single:
                 n_single += 1
                 continue
-            hk = head_of[ck >> 64] << 64 | ck & U64_MASK
+            hk = dep << 64 | ck & U64_MASK
             counts[hk] = counts.get(hk, 0) + 1
         for hk in [hk for hk, n in counts.items() if n != need[hk >> 64]]:
             del counts[hk]
@@ -253,16 +257,23 @@ class MasterIndex:
 
     # -- interning -----------------------------------------------------------------
 
-    def _intern_prefix(self, prefix: bytes) -> int:
-        parsed = parse_prefix(prefix.decode("utf-8", "replace"))
+    def _intern_prefix(self, prefix: bytes, layer: bytes) -> int:
+        """Namespace id of a new prefix (and layer tail); -1 = no family, -2 = a family
+        that ``formats`` leaves out."""
+        text, lay = prefix.decode("utf-8", "replace"), layer.decode()
+        parsed = parse_prefix(text, lay, self.formats)
         ns = -1
         if parsed is not None:
             ns = self._ns_ids.get(parsed, -1)
             if ns < 0:
                 ns = self._ns_ids[parsed] = len(self._head_of)
-                self._head_of.append(self._head_ids.setdefault(parsed.head, len(self._head_ids)))
+                self._ns_info.append(parsed)
+                self._head_of.append(
+                    self._head_ids.setdefault(parsed.deployment, len(self._head_ids)))
+        elif self.formats != FAMILIES and parse_prefix(text, lay) is not None:
+            ns = -2
         if len(self._prefix_ns) < _PREFIX_CACHE_MAX:
-            self._prefix_ns[prefix] = ns
+            self._prefix_ns[(prefix, layer) if layer else prefix] = ns
         return ns
 
     def _resolve(self, replicas: Replicas) -> tuple[tuple[str, ...], bool]:

@@ -23,6 +23,7 @@ class PollerMetrics:
     master_keys: Gauge
     master_blocks: Gauge
     master_stale: Gauge
+    keys_unparsed: Gauge
     registry: Registry = field(default_factory=Registry)
 
     @classmethod
@@ -54,5 +55,9 @@ class PollerMetrics:
                                   ["master"]),
             master_stale=r.gauge(p + "master_stale", "1 once a master's state was dropped",
                                  ["master"]),
+            keys_unparsed=r.gauge(
+                p + "keys_unparsed", "keys of the last good poll in no known key family "
+                "(another connector or tenant, or a key format this version does not know)",
+                ["master"]),
             registry=r,
         )

@@ -11,6 +11,10 @@ A failed poll (master down, slow, 503, garbage, cut body) changes nothing: the l
 state stays in Redis while the thread retries with capped, jittered backoff. Once
 ``ingest.l3.staleAfter`` has passed since the last good poll, the master's contribution is
 dropped and its instances are flagged ``stale=1``; the next good poll restores them.
+
+After every poll attempt the master's status goes to ``ci:master:{url}:state`` (fields
+:data:`.status.STATE_FIELDS`); keys that parse as no known family are counted there, in the
+``_keys_unparsed`` gauge and logged once (with a sample) when they appear.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from services.l3_poller.client import (
     NoBatchEndpoint,
     Replicas,
 )
-from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
+from services.l3_poller.completeness import pins_by_model
+from services.l3_poller.index import Blocks, MasterIndex, PollStats, SegmentMap
 from services.l3_poller.metrics import PollerMetrics
+from services.l3_poller.status import master_state, note_unparsed
 from services.l3_poller.writer import L3Writer, MasterView
 
 logger = logging.getLogger(__name__)
@@ -85,9 +91,14 @@ class MasterPoller:
         self.url, self.cfg, self.client, self.writer = url, cfg, client, writer
         self.metrics, self.stop = metrics, stop
         self.beat = beat or Health().heartbeat(f"master {url}")
-        self.index = MasterIndex(locate=cfg.scope == "segment", ns_memory=cfg.stale_after)
+        self.index = MasterIndex(
+            locate=cfg.scope == "segment", ns_memory=cfg.stale_after,
+            formats=tuple(cfg.key_formats),
+            pins=pins_by_model((m.name, m.heads, m.pp_ranks, m.layers) for m in cfg.models))
         self.has_batch = True
         self.view: MasterView | None = None
+        self.last_stats: PollStats | None = None
+        self.error = ""
         self._log = StateLog(logger, f"master {url}")
 
     def run(self) -> None:
@@ -108,6 +119,8 @@ class MasterPoller:
                 last_ok, dropped = time.monotonic(), False
                 backoff.reset()
                 delay = interval - (last_ok - started)
+            if not self.stop.is_set():
+                self._report()
             self.beat.wait(self.stop, delay)
         self.beat.close()
         self.client.close()
@@ -120,16 +133,31 @@ class MasterPoller:
         except MasterError as exc:
             self.metrics.errors.inc(master=self.url, reason=exc.reason)
             self._log.set(f"failing ({exc.reason})", str(exc), logging.WARNING)
+            self.error = f"{exc.reason}: {exc}"
             return False
         except Exception as exc:
             logger.exception("master %s: poll failed", self.url)
             self.metrics.errors.inc(master=self.url, reason=type(exc).__name__)
+            self.error = f"{type(exc).__name__}: {exc}"
             return False
-        self.view = view
+        self.view, self.error = view, ""
+        self._note_unparsed(self.index.stats)
         self._log.set("polling", f"{view.blocks.complete} blocks")
         self.metrics.master_stale.set(0, master=self.url)
         self.writer.publish(self.url, view, owner=self)
         return True
+
+    def _note_unparsed(self, stats: PollStats) -> None:
+        before = self.last_stats.skipped["unparsed"] if self.last_stats else 0
+        self.last_stats = stats
+        note_unparsed(self.url, before, stats, self.cfg.key_formats, self.metrics)
+
+    def state(self) -> dict[str, str]:
+        """This master's status hash (:data:`.status.STATE_FIELDS`)."""
+        return master_state(self.last_stats, self.view, self.error)
+
+    def _report(self) -> None:
+        self.writer.report(self.url, self.state(), owner=self)
 
     def _drop(self) -> None:
         view = self.view or MasterView(Blocks({}, array("Q"), 0), frozenset(), 0)

@@ -17,6 +17,9 @@ attached to), ``updated_ms`` (when the oldest of those masters had last been pol
 successfully; refreshed on every poll, also when the set itself is unchanged and not
 rewritten), ``blocks`` and ``stale`` (``1`` when a master it is attached to was
 dropped after ``ingest.l3.staleAfter`` without a good poll).
+
+Each master's poll status (``ci:master:{<url>}:state``) is written here too (:meth:`report`,
+after every poll attempt, only by the master's current poller) and deleted by :meth:`retire`.
 """
 
 from __future__ import annotations
@@ -87,11 +90,30 @@ class L3Writer:
             return self._write_all()
 
     def retire(self, master: str) -> bool:
-        """The master left the registry: forget its blocks and rewrite all instances."""
+        """The master left the registry: forget its blocks and status, rewrite all instances."""
         with self._lock:
             self._owners.pop(master, None)
             self._views.pop(master, None)
+            try:
+                self._store.drop_master_state(master)
+            except redis.RedisError as exc:
+                self._metrics.errors.inc(master=master, reason="redis")
+                logger.warning("master %s: cannot delete its status: %r", master, exc)
             return self._write_all()
+
+    def report(self, master: str, state: dict[str, str], owner: object) -> bool:
+        """Write a master's poll status (``ci:master:{url}:state``); ignored when ``owner``
+        no longer polls it, so a retired master's status is not written back."""
+        with self._lock:
+            if self._owners.get(master) is not owner:
+                return False
+            try:
+                self._store.set_master_state(master, state)
+            except redis.RedisError as exc:
+                self._metrics.errors.inc(master=master, reason="redis")
+                self._state.set("failing", repr(exc), logging.WARNING)
+                return False
+            return True
 
     def generations(self) -> dict[str, int]:
         """Registered instances' generations (canonical IP → gen), taken when a poll begins."""

@@ -21,6 +21,7 @@ import zmq
 
 from common.blockhash import BlockHasher, HashSettings, parse_vllm_version
 from common.events import Event
+from services.simulator.ascend import ConnectorEvents
 from services.simulator.cache_model import PrefixCacheModel, Request
 from services.simulator.publisher import Publisher
 
@@ -33,9 +34,13 @@ class SimulatedVLLM:
                  ranks: Sequence[int] = (0,), buffer_steps: int = 10_000, cpu_blocks: int = 0,
                  hash_algo: str = "sha256_cbor", hash_seed: str | None = "0",
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 bind_host: str = "127.0.0.1") -> None:
+                 bind_host: str = "127.0.0.1", engine: str = "vllm") -> None:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.bind_host = bind_host
+        if engine not in ("vllm", "vllm-ascend"):
+            raise ValueError(f"unknown engine {engine!r}: vllm or vllm-ascend")
+        self.engine = engine
+        self.connectors: dict[int, ConnectorEvents] = {}
         self.version = parse_vllm_version(vllm_version)
         self.hasher = BlockHasher(HashSettings.from_strings(hash_algo, hash_seed, vllm_version))
         self.block_size, self.num_blocks, self.cpu_blocks = block_size, num_blocks, cpu_blocks
@@ -51,6 +56,8 @@ class SimulatedVLLM:
         for rank in self.ranks:
             self.models[rank] = PrefixCacheModel(self.num_blocks, self.block_size, self.hasher,
                                                  self.cpu_blocks)
+            if self.engine == "vllm-ascend":  # the pool outlives an engine restart
+                self.connectors.setdefault(rank, ConnectorEvents())
             self.publishers[rank] = Publisher(
                 self.endpoint, self.replay_endpoint, self.topic, dp_rank=rank,
                 vllm_version=self.version, buffer_steps=self.buffer_steps, ctx=self.ctx,
@@ -69,6 +76,8 @@ class SimulatedVLLM:
         for r, batch in by_rank.items():
             if batch:
                 events = self.models[r].step(batch)
+                if r in self.connectors:  # vllm-ascend: + the store connector's pool events
+                    events += self.connectors[r].after(events)
                 if events:
                     sent[r] = self.publishers[r].publish(events, drop=drop)
         return sent
@@ -114,7 +123,8 @@ class SimulatedVLLM:
                                        request.cache_salt)
 
     def state(self) -> dict[str, Any]:
-        """JSON-able truth: per rank the last sequence, GPU hash → copies, CPU hashes."""
+        """JSON-able truth: per rank the last sequence, GPU hash → copies, CPU hashes, and
+        (vllm-ascend) the hashes its connector put into the pool."""
         return {
             "block_size": self.block_size,
             "restarts": self.restarts,
@@ -125,6 +135,8 @@ class SimulatedVLLM:
                     "gpu": {str(h): n for h, n in self.models[r].gpu_counts().items()},
                     "cpu": sorted(str(h) for h in self.models[r].cpu_hashes()),
                     "rejected": self.models[r].rejected,
+                    "pool": sorted(str(h) for h in self.connectors[r].pool)
+                    if r in self.connectors else [],
                 } for r in self.ranks
             },
         }

@@ -2,12 +2,15 @@
 
     cache-indexer simulate-vllm --endpoint tcp://*:5557 --replay-endpoint tcp://*:5558 \\
         --topic kv-events --vllm-version 0.28.0 --rate 50 --duration 60 --state-file sim.json
+    cache-indexer simulate-vllm --engine vllm-ascend ...   # + AscendStoreConnector events
 
 Each step serves ``--requests-per-step`` prompts from the workload on every DP rank and
 publishes that step's events as one batch. ``--drop-every K`` leaves every K-th batch out of
 the live stream (replay still has it), ``--restart-after N`` restarts the simulated vLLM once
 after N steps, ``--reset-every N`` emits AllBlocksCleared. ``--state-file`` receives the true
-cache contents as JSON every second and at exit.
+cache contents as JSON every second and at exit. ``--engine vllm-ascend`` plays vllm-ascend:
+vLLM's events in the paired release's encoding (``--vllm-version`` defaults to 0.18.0, i.e.
+vllm-ascend v0.18.0) plus its store connector's ``BlockStored(medium="cpu")`` per pooled block.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from common import logs
 from common.lifecycle import install_signal_handlers
 from services.simulator.cache_model import Request
+from services.simulator.ascend import DEFAULT_VLLM as ASCEND_VLLM
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import KINDS, Workload
 
@@ -35,7 +39,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--topic", default="", help="topic frame (deployments use kv-events)")
     a("--bind-host", default="127.0.0.1",
       help="host a wildcard endpoint binds (vLLM binds every interface: pass '*')")
-    a("--vllm-version", default="0.28.0", help="emulated release: encoding and framing")
+    a("--engine", choices=["vllm", "vllm-ascend"], default="vllm",
+      help="vllm, or vllm-ascend (vLLM's events + the AscendStoreConnector's pool events)")
+    a("--vllm-version", default=None,
+      help="emulated vLLM release: encoding and framing (default 0.28.0; vllm-ascend: 0.18.0)")
     a("--block-size", type=int, default=16)
     a("--num-blocks", type=int, default=1024, help="GPU blocks per rank")
     a("--cpu-blocks", type=int, default=0, help="CPU offload blocks per rank (0 = off)")
@@ -63,19 +70,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    if args.vllm_version is None:
+        args.vllm_version = ASCEND_VLLM if args.engine == "vllm-ascend" else "0.28.0"
     logs.configure(args.log_level)
     ranks = [args.dp_rank] if args.dp_rank is not None else list(range(args.dp_size))
     sim = SimulatedVLLM(
         args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
         block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
         buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed,
-        bind_host=args.bind_host)
+        bind_host=args.bind_host, engine=args.engine)
     workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
                         block_size=args.block_size, seed=args.seed)
     stop = threading.Event()
     install_signal_handlers(stop)
-    logger.info("simulating vLLM %s on %s (ranks %s, replay %s)", args.vllm_version,
-                args.endpoint, ranks, args.replay_endpoint or "none")
+    logger.info("simulating %s (vLLM %s) on %s (ranks %s, replay %s)", args.engine,
+                args.vllm_version, args.endpoint, ranks, args.replay_endpoint or "none")
     try:
         _run(args, sim, workload, stop)
     finally:

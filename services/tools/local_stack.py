@@ -12,6 +12,12 @@ without the Mooncake wheel the L3 side is left out with a warning and L3 ratios 
 When everything answers it writes ``.local-stack/example-request.json`` (a prompt pod A
 serves) and prints the API's answer for it. Ctrl-C (or ``--duration``) stops every process
 it started, by PID.
+
+``--engine vllm-ascend`` (or ``LOCAL_STACK_ENGINE=vllm-ascend``) makes both pods play
+vllm-ascend instead: KV events of the paired vLLM releases (0.18.0 and 0.13.0, array
+encoding) plus the AscendStoreConnector's ``medium="cpu"`` events, and TP2
+AscendStoreConnector keys in Mooncake — pod A in v0.18's layout, pod B layer-wise as v0.21+
+writes it (:data:`ASCEND`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ PODS = [  # name, ip, emulated vLLM version, workload seed
     ("pod-b", "127.0.0.3", "0.23.0", 2),
 ]
 WORKLOAD = {"prompts": 16, "prompt_len": 256}
+ENGINES = ("vllm", "vllm-ascend")
+ASCEND = {  # pod → (vLLM release its vllm-ascend pairs with, Mooncake key spec)
+    "pod-a": ("0.18.0", {"engine": "vllm-ascend", "tp": 2, "form": "A"}),
+    "pod-b": ("0.13.0", {"engine": "vllm-ascend", "tp": 2, "form": "E-LW", "layers": 24}),
+}
 
 
 class Processes:
@@ -124,14 +135,17 @@ def _example(workdir: Path) -> tuple[list[int], dict[str, list[str]]]:
 
 
 def _start_l3_side(procs: Processes, workdir: Path, config: Path, master_port: int,
-                   puts: dict[str, list[str]]) -> bool:
+                   puts: dict[str, list[str]], engine: str) -> bool:
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("mooncake_master"):
         logger.warning("L3 side left out: needs root, unshare and the Mooncake wheel "
                        "(scripts/setup.sh installs it); L3 ratios will be 0")
         return False
     for name, _, _, _ in PODS:
+        spec: dict[str, Any] = {"model": MODEL, "tp": 1}
+        if engine == "vllm-ascend":
+            spec.update(ASCEND[name][1])
         (workdir / f"{name}.blocks.json").write_text(
-            json.dumps({"model": MODEL, "tp": 1, "hashes": puts[name]}), encoding="utf-8")
+            json.dumps({**spec, "hashes": puts[name]}), encoding="utf-8")
     inner = _cli("local-stack", "--l3-side", "--workdir", str(workdir),
                  "--master-port", str(master_port))
     script = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in inner)
@@ -189,8 +203,10 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[l
     config = _write_config(workdir, redis_port, args.port, master_port, True)
     env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config))
     for name, _, version, seed in PODS:
+        if args.engine == "vllm-ascend":
+            version = ASCEND[name][0]
         procs.spawn(name, _cli(
-            "simulate-vllm", "--endpoint", f"ipc://{workdir}/{name}.pub",
+            "simulate-vllm", "--engine", args.engine, "--endpoint", f"ipc://{workdir}/{name}.pub",
             "--replay-endpoint", f"ipc://{workdir}/{name}.replay", "--topic", "kv-events",
             "--vllm-version", version, "--block-size", str(BLOCK_SIZE), "--num-blocks", "8192",
             "--rate", "2", "--seed", str(seed), "--prompts", str(WORKLOAD["prompts"]),
@@ -199,7 +215,7 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[l
     procs.spawn("discovery", _cli("discovery"), env=env)
     procs.spawn("l1-ingest", _cli("l1-ingest"), env=env)
     procs.spawn("api", _cli("api"), env=env)
-    with_l3 = _start_l3_side(procs, workdir, config, master_port, puts)
+    with_l3 = _start_l3_side(procs, workdir, config, master_port, puts, args.engine)
     if not with_l3:
         _write_config(workdir, redis_port, args.port, master_port, False)
     return example, with_l3
@@ -235,11 +251,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--redis-port", type=int, default=26379)
     p.add_argument("--master-port", type=int, default=29003, help="Mooncake admin port (+1: RPC)")
     p.add_argument("--duration", type=float, default=0, help="stop after N seconds (0 = Ctrl-C)")
+    p.add_argument("--engine", choices=ENGINES,
+                   default=os.environ.get("LOCAL_STACK_ENGINE") or "vllm",
+                   help="what the simulated pods play (default $LOCAL_STACK_ENGINE or vllm)")
     p.add_argument("--l3-side", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logs.configure("info")
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.engine not in ENGINES:
+        p.error(f"--engine: {args.engine!r} is not one of {', '.join(ENGINES)}")
     stop = threading.Event()
     install_signal_handlers(stop)
     if args.l3_side:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, free_port
 
 
@@ -18,13 +20,16 @@ def _port_closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path,
-                                            subprocess_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("engine", ["vllm", "vllm-ascend"])
+def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path, subprocess_env: dict[str, str],
+                                            engine: str) -> None:
+    """``vllm-ascend``: the pods' Mooncake keys are AscendStoreConnector keys (TP2, pod B
+    layer-wise) and their events vLLM 0.18/0.13 arrays plus the connector's cpu events."""
     api, redis_port, master = free_port(), free_port(), free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "local-stack", "--workdir", str(tmp_path),
          "--port", str(api), "--redis-port", str(redis_port), "--master-port", str(master),
-         "--duration", "1"],
+         "--duration", "1", "--engine", engine],
         cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("answer: "))
@@ -40,5 +45,7 @@ def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path,
         n = len(request["body"]["token_ids"]) // request["body"]["block_size"]
         assert pod_b["l3_hit_ratio"] == (max(1, n * 3 // 4)) / n, "pod B put 3/4 of the blocks"
         assert pod_a["l3_hit_ratio"] == 0.0
+        spec = json.loads((tmp_path / "pod-b.blocks.json").read_text())
+        assert spec.get("engine", "vllm") == engine  # so the L3 hits above are that format's
     for port in (api, redis_port, master):
         assert _port_closed(port), f"port {port} still open after the stack stopped"

@@ -143,3 +143,28 @@ def test_heartbeat_must_fit_the_lease(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="ingest.l1.heartbeatInterval"):
         load_config(_write(tmp_path, "ingest:\n  l1: {leaseTTL: 2s, heartbeatInterval: 2s}\n"),
                     env={})
+
+
+def test_l3_key_formats_and_model_pins(tmp_path: Path) -> None:
+    cfg = load_config(None)
+    assert cfg.ingest.l3.key_formats == ["vllm", "vllm-ascend"] and cfg.ingest.l3.models == []
+    path = tmp_path / "c.yaml"
+    path.write_text("ingest:\n  l3:\n    keyFormats: [vllm-ascend]\n    models:\n"
+                    "      - {name: Qwen/Qwen2.5-7B-Instruct, heads: 2, ppRanks: 2}\n"
+                    "      - {name: Qwen2.5-0.5B-Instruct, layers: 24}\n")
+    l3 = load_config(path).ingest.l3
+    assert l3.key_formats == ["vllm-ascend"]
+    assert [(m.name, m.heads, m.pp_ranks, m.layers) for m in l3.models] == [
+        ("Qwen/Qwen2.5-7B-Instruct", 2, 2, 0), ("Qwen2.5-0.5B-Instruct", 0, 0, 24)]
+    path.write_text("ingest:\n  l3:\n    keyFormats: [lmcache]\n    models:\n"
+                    "      - {name: a/Qwen, heads: -1}\n      - {name: Qwen}\n      - {heads: 2}\n"
+                    "      - {name: x, tp: 2}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    for part in ("ingest.l3.keyFormats[0]: 'lmcache'", "ingest.l3.models[0].heads: must be >= 0",
+                 "ingest.l3.models[1].name: 'Qwen' is pinned twice",
+                 "ingest.l3.models[2].name: must be", "ingest.l3.models[3].tp: unknown key"):
+        assert part in str(err.value)
+    path.write_text("ingest:\n  l3:\n    keyFormats: []\n")
+    with pytest.raises(ConfigError, match="keyFormats: must name at least one"):
+        load_config(path)

@@ -13,6 +13,7 @@ from services.l3_poller.keys_parser import (
     hash_u64,
     host_of,
     is_url_safe,
+    parse_any,
     parse_key,
     parse_prefix,
     split_key,
@@ -49,9 +50,10 @@ U64 = 3753563854825738204  # the demo's KV-event int of HEX (spec §4.1)
 ])
 def test_parses_every_vllm_format(key: str, expected: ParsedKey) -> None:
     assert parse_key(key) == expected
-    prefix, u64 = split_key(key.encode())  # type: ignore[misc]
-    assert u64 == expected.hash_u64
+    prefix, layer, u64 = split_key(key.encode())  # type: ignore[misc]
+    assert u64 == expected.hash_u64 and layer == b""
     assert parse_prefix(prefix.decode()) == expected.namespace
+    assert parse_any(key) == (expected.namespace, expected.hash_u64)
 
 
 @pytest.mark.parametrize("junk", [
@@ -61,20 +63,18 @@ def test_parses_every_vllm_format(key: str, expected: ParsedKey) -> None:
     f"@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HEX}",  # no model
     f"Qwen@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HEX.upper()}",  # not BlockHash.hex()
     f"Qwen@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HEX[:15]}",  # too short for a u64
-    f"Qwen@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HEX}00",  # longer than sha256
     f"Qwen@tp_rank:x@pcp0@dcp0@pp_rank:0@group:0@{HEX}",
     f"Qwen@tp_rank:0@pp_rank:0@group:0@{HEX}",  # forks' short form
-    # vllm-ascend, LMCache: other connectors sharing the master
-    (f"Qwen@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default"
-    f"@{HEX}"),
+    # LMCache: another connector sharing the master
     "Qwen2.5-0.5B-Instruct@1@0@3a9f1c2b@bfloat16",
     f"Qwen@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HEX[:-1]}g",
     f"Qwen@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@1_{HEX[2:]}",  # int() would accept _
 ])
 def test_junk_is_not_a_key(junk: str) -> None:
     assert parse_key(junk) is None
+    assert parse_any(junk) is None
     split = split_key(junk.encode())
-    assert split is None or parse_prefix(split[0].decode()) is None
+    assert split is None or parse_prefix(split[0].decode(), split[1].decode()) is None
 
 
 def test_hash_is_the_kv_event_int_of_the_projects_own_block_hashes() -> None:
