@@ -11,7 +11,7 @@ thread sees it):
 | shutdownTimeout     | graceful_timeout            | SIGTERM: workers finish in-flight requests for at most this long |
 | readHeaderTimeout   | the worker                  | accept (or a kept-alive connection's next first byte) to the end of the headers; past it: 408 and close (just close if nothing was sent); 0 = readTimeout |
 | readTimeout         | the worker                  | the same start to the end of the body; past it: 408 and close; 0 = none |
-| writeTimeout        | the worker                  | end of the headers to the end of the response (every socket write of the thread is bounded); past it the connection is closed; 0 = none. Also gunicorn's ``timeout`` (a wedged worker is replaced) |
+| writeTimeout        | the worker                  | end of the headers to the end of the response (every socket write of the thread is bounded); past it the connection is closed; 0 = none. gunicorn's ``timeout`` (a wedged worker is replaced) is max(writeTimeout, 30 s) |
 | idleTimeout         | the worker, keepalive       | an idle kept-alive connection is closed after this; 0 = readTimeout |
 | maxHeaderBytes      | limit_request_line, limit_request_field_size | each capped at 8190, gunicorn's maximum; with the default 100 fields the header block stays under ~800 KiB |
 | maxHitRateBodyBytes | the worker, the app         | bodies over it are not buffered; :func:`services.api.hit_rate.read_body`: Content-Length check (413 unread), capped chunked read |
@@ -64,7 +64,7 @@ def gunicorn_settings(config: Config, workers: int | None = None,
         "workers": workers or http.workers,
         "worker_class": worker_class(config),
         "threads": http.threads,
-        "timeout": _seconds(http.write_timeout or 30),  # worker silence; never 0
+        "timeout": _seconds(max(http.write_timeout, 30)),  # a wedged worker
         "graceful_timeout": _seconds(http.shutdown_timeout),
         "keepalive": _seconds(http.idle_timeout),
         "limit_request_line": line,

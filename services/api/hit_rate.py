@@ -8,6 +8,9 @@ run of the prompt's blocks, from block 0, that the instance holds in a tier, div
 :class:`~common.errors.RequestError` whose status is both the HTTP status and the body's
 ``status``; :mod:`services.api.app` renders it.
 
+At most ``http.maxCandidates`` distinct ``server_ip`` values are accepted (a repeated ip is
+read once), checked before any hashing or Redis work, so one request's Redis reads
+are bounded by 2 × maxCandidates commands of at most ``n`` members.
 The body is never read past ``http.maxHitRateBodyBytes``: a larger ``Content-Length`` is
 refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
@@ -36,6 +39,7 @@ _READ_CHUNK = 64 * 1024
 _TOP_FIELDS = ("server_ip", "body")
 _BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
 _BODY_REQUIRED = ("token_ids", "block_size")
+DEFAULT_MAX_CANDIDATES = 1024
 UNREACHABLE = "the hit rate could not be computed: the state store is unreachable"
 
 
@@ -74,8 +78,9 @@ def read_body(req: falcon.Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parse_request(raw: bytes) -> HitRateRequest:
-    """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid."""
+def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> HitRateRequest:
+    """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid,
+    including more than ``max_candidates`` distinct ``server_ip`` values."""
     if not raw.strip():
         raise _bad("the request body is empty")
     try:
@@ -91,6 +96,9 @@ def parse_request(raw: bytes) -> HitRateRequest:
     for i, ip in enumerate(ips):
         if not isinstance(ip, str):
             raise _bad(f"server_ip[{i}] must be a string, got {_kind(ip)}")
+    if len(ips) > max_candidates and len(set(ips)) > max_candidates:
+        raise _bad(f"server_ip names {len(set(ips))} distinct instances, more than the limit "
+                   f"of {max_candidates} (http.maxCandidates)")
     body = _fields(top["body"], "body.", _BODY_FIELDS, _BODY_REQUIRED)
     block_size = body["block_size"]
     if type(block_size) is not int:
@@ -169,12 +177,13 @@ def error_document(status: int, message: str) -> bytes:
 class HitRateResource:
     """``/kv-cache/hit-rate``; other methods are refused by :class:`PostOnly`."""
 
-    def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int) -> None:
+    def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int,
+                 max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
-        self.body_limit = body_limit
+        self.body_limit, self.max_candidates = body_limit, max_candidates
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = parse_request(read_body(req, self.body_limit))
+        request = parse_request(read_body(req, self.body_limit), self.max_candidates)
         scores = score(request, self.store, self.hasher, self.metrics)
         resp.content_type = falcon.MEDIA_JSON
         resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})

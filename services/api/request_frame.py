@@ -56,6 +56,8 @@ class RequestFrame:
             start += 2
         end = buf.find(_END, start)
         if end < 0:
+            if not self.method and (eol := buf.find(_CRLF, start)) > 0:
+                self._read_request_line(bytes(buf[start:eol]))  # for a 408's body shape
             if len(buf) > self.header_cap:
                 self.complete = True  # gunicorn refuses it (431)
             return False
@@ -65,10 +67,7 @@ class RequestFrame:
 
     def _read_headers(self, block: bytes) -> None:
         request_line, *lines = block.split(_CRLF)
-        parts = request_line.split(b" ")
-        if len(parts) == 3:
-            self.method = parts[0].decode("latin-1")
-            self.path = parts[1].split(b"?", 1)[0].decode("latin-1")
+        self._read_request_line(request_line)
         lengths: set[bytes] = set()
         codings: list[bytes] = []
         for line in lines:
@@ -91,6 +90,12 @@ class RequestFrame:
         self._length = int(next(iter(lengths))) if lengths else 0
         if self._length > self.body_cap:
             self.complete, self.body_buffered, self._length = True, False, 0
+
+    def _read_request_line(self, line: bytes) -> None:
+        parts = line.split(b" ")
+        if len(parts) == 3:
+            self.method = parts[0].decode("latin-1")
+            self.path = parts[1].split(b"?", 1)[0].decode("latin-1")
 
     def _scan_chunks(self, buf: bytes | bytearray) -> None:
         while not self.complete:

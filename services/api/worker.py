@@ -143,15 +143,12 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         self._read(conn)
 
     def _read(self, conn: _Conn) -> None:
-        try:
-            while True:
-                data = conn.raw.recv(_RECV)
-                if not data:
-                    self._drop(conn, "closed by the client" if conn.buf else "")
-                    return
-                conn.buf += data
-                if len(data) < _RECV:
-                    break
+        try:  # one read per event: a fast sender must not keep the loop to itself
+            data = conn.raw.recv(_RECV)
+            if not data:
+                self._drop(conn, "closed by the client" if conn.buf else "")
+                return
+            conn.buf += data
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
