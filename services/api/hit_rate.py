@@ -21,6 +21,7 @@ for the partial tail block too); anything else is a 400, as vLLM would refuse th
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,7 +109,7 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    return HitRateRequest(ips, _token_ids(body["token_ids"]), block_size, salt or None)
+    return HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
 
 
 def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
@@ -125,17 +126,33 @@ def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
     return doc
 
 
-def _token_ids(ids: Any) -> list[int]:
+def _token_ids(ids: Any, raw: bytes) -> list[int]:
     """JSON integers only (no ``true``, no ``1.0``); the range is the hasher's to check."""
     if not isinstance(ids, list):
         raise _bad(f"body.token_ids must be a list of integers, got {_kind(ids)}")
-    # One pass in C for the common all-int case; the loop below only names the culprit.
-    if not ids or set(map(type, ids)) == {int}:
+    if not ids or _all_plain_ints(ids, raw):
         return ids
+    # The loop below only names the culprit (or finds none: ints the hasher range-checks).
     for i, t in enumerate(ids):
         if type(t) is not int:
             raise _bad(f"body.token_ids[{i}] must be a non-negative integer, got {t!r}")
-    raise AssertionError("unreachable")  # pragma: no cover
+    return ids
+
+
+def _all_plain_ints(ids: list[Any], raw: bytes) -> bool:
+    """True if every id is an int (not a bool), in C passes over the list and the body.
+
+    ``array("Q", …)`` takes exactly the ints and bools in ``[0, 2**64)``; a body without
+    ``true``/``false`` anywhere holds no bool. Otherwise (negative ids, a ``"true"`` in a
+    string) the exact type check decides.
+    """
+    try:
+        array("Q", ids)
+    except (TypeError, OverflowError):
+        return False
+    if b"true" not in raw and b"false" not in raw:
+        return True
+    return set(map(type, ids)) == {int}
 
 
 def _kind(value: Any) -> str:
