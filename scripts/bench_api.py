@@ -211,6 +211,42 @@ def _stages(body: bytes, store: Store, hasher: BlockHasher, repeat: int) -> list
     return rows
 
 
+def _cpu_per_request(body: bytes, store: Store, hasher: BlockHasher, members: list[bytes],
+                     members_file: Path, repeat: int) -> list[str]:
+    """CPU time (this process) per request through each WSGI app, in-process, no HTTP."""
+    import io
+
+    from services.api.app import create_app
+
+    class Precomputed:  # the API with hashing taken out
+        def member_keys(self, token_ids: list[int], block_size: int,
+                        cache_salt: str | None = None) -> list[bytes]:
+            return members
+
+    os.environ[MEMBERS_ENV] = str(members_file)
+    config = Config()
+    apps = [("API", create_app(config, store, hasher, ApiMetrics()), hit_rate.PATH),
+            ("API, hashing taken out", create_app(config, store, Precomputed(), ApiMetrics()),
+             hit_rate.PATH),
+            ("trivial app (/trivial)", baseline_app(), "/trivial"),
+            ("floor (/floor)", baseline_app(), "/floor")]
+    rows = ["| WSGI app (in-process, no HTTP) | CPU µs per request |", "|---|---:|"]
+    for name, app, path in apps:
+        def call(app: Any = app, path: str = path) -> bytes:
+            env = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "QUERY_STRING": "",
+                   "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json",
+                   "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
+                   "SERVER_NAME": "b", "SERVER_PORT": "80", "wsgi.url_scheme": "http",
+                   "SERVER_PROTOCOL": "HTTP/1.1"}
+            return b"".join(app(env, lambda status, headers: None))
+        call()
+        start = time.process_time()
+        for _ in range(repeat):
+            call()
+        rows.append(f"| {name} | {(time.process_time() - start) / repeat * 1e6:,.0f} |")
+    return rows
+
+
 def _vllm_ms(python: str | None, prompt: list[int]) -> str:
     if not python:
         return "not measured (no --vllm-python)"
@@ -286,6 +322,7 @@ def main() -> int:
         small, _, _, small_members = _prompt(hasher, store, 4096, 8, 41)
         large, _, large_prompt, large_members = _prompt(hasher, store, 131072, 16, 42)
         servers.start_http({4096: small_members, 131072: large_members})
+        os.environ["BENCH_API_REDIS"] = f"redis://127.0.0.1:{servers.redis_port}/0"
         api = f"http://127.0.0.1:{servers.api_port}{hit_rate.PATH}"
         base = f"http://127.0.0.1:{servers.base_port}"
         lines = [f"redis-server {servers.client.info()['redis_version']}, Python "
@@ -315,6 +352,8 @@ def main() -> int:
                          f"{ours_cpu:.2f} | {base_cpu:.2f} | {base_cpu / ours_cpu:.2f} |")
         lines += [f"| median | | | **{statistics.median(ratios):.2f}** | | | "
                   f"**{statistics.median(cpu_ratios):.2f}** |", ""]
+        lines += _cpu_per_request(small, store, hasher, small_members, tmp / "members.json",
+                                  1000) + [""]
         ours_lat: list[float] = []
         floor_lat: list[float] = []
         with httpx.Client(timeout=60) as client:

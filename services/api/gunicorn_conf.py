@@ -38,7 +38,8 @@ from gunicorn import glogging
 
 from common.config import Config, parse_listen_addr
 from services.api import api_metrics
-from services.api.worker import DeadlineWorker, Limits
+from services.api.deadlines import Limits
+from services.api.worker import DeadlineWorker
 
 GUNICORN_MAX_LINE = 8190
 """gunicorn refuses larger ``limit_request_line`` / ``limit_request_field_size`` values."""

@@ -38,15 +38,13 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import orjson
 from gunicorn import http
-from gunicorn.workers.gthread import ThreadWorker, TConn
+from gunicorn.workers.gthread import ThreadWorker
 
-from services.api import hit_rate
-from services.api.deadline_socket import DeadlineSocket
+from services.api.connection import CLOSED, HANDLING, IDLE, LINGERING, READING, Conn
+from services.api.deadlines import Limits, busy_response, timeout_response
 from services.api.request_frame import RequestFrame
 
 logger = logging.getLogger(__name__)
@@ -55,46 +53,6 @@ _RECV = 256 * 1024
 _LINGER_SECONDS = 2.0
 _LINGER_BYTES = 64 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_READING, _HANDLING, _IDLE, _LINGERING, _CLOSED = range(5)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-connection limits in seconds (``math.inf`` = none) and the body buffer cap."""
-
-    header_timeout: float = 10.0
-    read_timeout: float = 30.0
-    write_timeout: float = 30.0
-    idle_timeout: float = 120.0
-    body_cap: int = 4194304
-
-    @classmethod
-    def from_go(cls, read_header: float, read: float, write: float, idle: float,
-                body_cap: int) -> Limits:
-        """Go's rules for zero: no read timeout; header and idle fall back to ``read``."""
-        def none_if_zero(value: float) -> float:
-            return value if value > 0 else math.inf
-        return cls(none_if_zero(read_header or read), none_if_zero(read),
-                   none_if_zero(write), none_if_zero(idle or read), body_cap)
-
-
-class _Conn(TConn):  # type: ignore[misc]
-    def __init__(self, cfg: Any, sock: socket.socket, client: Any, server: Any) -> None:
-        self.raw = sock
-        super().__init__(cfg, DeadlineSocket(sock), client, server)
-        sock.setblocking(False)
-        self.state = _READING
-        self.token = 0  # the deadline-heap entry that is current for this connection
-        self.registered = False
-        self.buf = bytearray()
-        self.frame: RequestFrame | None = None
-        self.header_deadline = math.inf
-        self.idle_timeout = math.inf
-        self.body_buffered = True
-        self.drained = 0
-
-    def set_timeout(self) -> None:  # keep-alive: gunicorn's own idle check reads .timeout
-        self.timeout = time.monotonic() + self.idle_timeout
 
 
 class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
@@ -107,9 +65,10 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         cfg = self.cfg
         self.header_cap = (cfg.limit_request_line + 4
                            + cfg.limit_request_fields * (cfg.limit_request_field_size + 2))
-        self._heap: list[tuple[float, int, _Conn]] = []
+        self._heap: list[tuple[float, int, Conn]] = []
         self._tokens = itertools.count(1)
-        self._reading: set[_Conn] = set()
+        self._reading: set[Conn] = set()
+        self._buffered = 0  # bytes held by the connections in _reading
 
     # --- selector thread: reading requests -------------------------------------------
 
@@ -121,34 +80,36 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
                 raise
             return
         self.nr_conns += 1
-        conn = _Conn(self.cfg, sock, addr, listener.getsockname())
+        conn = Conn(self.cfg, sock, addr, listener.getsockname())
         conn.idle_timeout = self.limits.idle_timeout
         self._start_reading(conn, b"")
 
-    def on_client_socket_readable(self, conn: _Conn, client: Any) -> None:
+    def on_client_socket_readable(self, conn: Conn, client: Any) -> None:
         self._unregister(conn)
         self.keepalived_conns.remove(conn)
         self._start_reading(conn, b"")
 
-    def _start_reading(self, conn: _Conn, leftover: bytes) -> None:
+    def _start_reading(self, conn: Conn, leftover: bytes) -> None:
         now, limits = time.monotonic(), self.limits
         conn.raw.setblocking(False)  # a pool thread left it blocking with a timeout
-        conn.state, conn.buf = _READING, bytearray(leftover)
+        conn.state, conn.buf = READING, bytearray(leftover)
         conn.frame = RequestFrame(self.header_cap, limits.body_cap)
         conn.header_deadline = now + limits.header_timeout
         conn.sock.read_deadline = now + limits.read_timeout
         conn.sock.write_deadline = math.inf
         self._reading.add(conn)
+        self._buffered += len(conn.buf)
         self._arm(conn, min(conn.header_deadline, conn.sock.read_deadline))
         self._read(conn)
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: Conn) -> None:
         try:  # one read per event: a fast sender must not keep the loop to itself
             data = conn.raw.recv(_RECV)
             if not data:
                 self._drop(conn, "closed by the client" if conn.buf else "")
                 return
             conn.buf += data
+            self._buffered += len(data)
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
@@ -163,8 +124,10 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             self._dispatch(conn)
         elif not conn.registered:
             self._register(conn, self._read)
+        if self._buffered > self.limits.buffer_budget:
+            self._shed()
 
-    def _headers_read(self, conn: _Conn, frame: RequestFrame, complete: bool) -> None:
+    def _headers_read(self, conn: Conn, frame: RequestFrame, complete: bool) -> None:
         conn.sock.write_deadline = time.monotonic() + self.limits.write_timeout
         conn.header_deadline = math.inf
         self._arm(conn, conn.sock.read_deadline)
@@ -174,35 +137,51 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             except OSError:
                 pass  # the read that follows sees the broken connection
 
-    def _dispatch(self, conn: _Conn) -> None:
+    def _dispatch(self, conn: Conn) -> None:
         self._unregister(conn)
-        self._reading.discard(conn)
-        conn.state, conn.token = _HANDLING, next(self._tokens)
+        self._stop_reading(conn)
+        conn.state, conn.token = HANDLING, next(self._tokens)
         conn.body_buffered = conn.frame.body_buffered if conn.frame else True
         self.enqueue_req(conn)
 
-    def _timed_out(self, conn: _Conn) -> None:
-        which = "headers" if conn.header_deadline <= time.monotonic() else "request"
+    def _timed_out(self, conn: Conn) -> None:
         if not conn.buf:
             self._drop(conn, "")
             return
-        logger.debug("closing %s: the %s did not arrive in time", conn.client, which)
         frame = conn.frame
-        path = frame.path if frame else ""
+        done = bool(frame and frame.headers_done)
+        logger.debug("closing %s: the request did not arrive in time", conn.client)
+        self._answer_and_close(conn, timeout_response(frame.path if frame else "", done))
+
+    def _shed(self) -> None:
+        """Over the buffer budget: drop the unfinished requests holding the most bytes."""
+        while self._buffered > self.limits.buffer_budget and self._reading:
+            conn = max(self._reading, key=lambda c: len(c.buf))
+            logger.info("dropping an unfinished request of %d bytes from %s: %d bytes of "
+                        "unfinished requests are buffered", len(conn.buf), conn.client,
+                        self._buffered)
+            self._answer_and_close(conn, busy_response(conn.frame.path if conn.frame else ""))
+
+    def _answer_and_close(self, conn: Conn, response: bytes) -> None:
         try:
-            conn.raw.send(_timeout_response(path, which))
+            conn.raw.send(response)
         except OSError:
             pass
         self._linger(conn)
 
+    def _stop_reading(self, conn: Conn) -> None:
+        if conn in self._reading:
+            self._reading.discard(conn)
+            self._buffered -= len(conn.buf)
+
     # --- selector thread: after the response, closing, deadlines --------------------
 
-    def finish_request(self, conn: _Conn, fs: Future[Any]) -> None:
+    def finish_request(self, conn: Conn, fs: Future[Any]) -> None:
         try:
             keep = bool(fs.result()) if not fs.cancelled() else False
         except Exception:  # handle() catches everything; this is gunicorn's own guard
             keep = False
-        if not keep or conn.state != _HANDLING:
+        if not keep or conn.state != HANDLING:
             self._linger(conn)
             return
         leftover = conn.parser.unreader.take_buffered()
@@ -210,27 +189,27 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             self._start_reading(conn, leftover)
             return
         conn.raw.setblocking(False)
-        conn.state = _IDLE
+        conn.state = IDLE
         conn.set_timeout()
         if not self.alive:
             conn.timeout = min(conn.timeout, time.monotonic() + _LINGER_SECONDS)
         self.keepalived_conns.append(conn)
         self._register(conn, lambda c: self.on_client_socket_readable(c, c.sock))
 
-    def _linger(self, conn: _Conn) -> None:
+    def _linger(self, conn: Conn) -> None:
         """Half-close and drain a little, so the kernel does not reset the last response."""
-        self._reading.discard(conn)
+        self._stop_reading(conn)
         try:
             conn.raw.setblocking(False)
             conn.raw.shutdown(socket.SHUT_WR)
         except OSError:
             self._close(conn)
             return
-        conn.state, conn.buf, conn.drained = _LINGERING, bytearray(), 0
+        conn.state, conn.buf, conn.drained = LINGERING, bytearray(), 0
         self._arm(conn, time.monotonic() + _LINGER_SECONDS)
         self._register(conn, self._drain)
 
-    def _drain(self, conn: _Conn) -> None:
+    def _drain(self, conn: Conn) -> None:
         try:
             while conn.drained < _LINGER_BYTES:
                 data = conn.raw.recv(_RECV)
@@ -243,17 +222,17 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             pass
         self._close(conn)
 
-    def _drop(self, conn: _Conn, why: str) -> None:
+    def _drop(self, conn: Conn, why: str) -> None:
         if why:
             logger.debug("closing %s: %s", conn.client, why)
-        self._reading.discard(conn)
+        self._stop_reading(conn)
         self._close(conn)
 
-    def _close(self, conn: _Conn) -> None:
-        if conn.state == _CLOSED:
+    def _close(self, conn: Conn) -> None:
+        if conn.state == CLOSED:
             return
         self._unregister(conn)
-        conn.state, conn.token = _CLOSED, next(self._tokens)
+        conn.state, conn.token = CLOSED, next(self._tokens)
         conn.buf = bytearray()
         self.nr_conns -= 1
         try:
@@ -261,12 +240,12 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         except OSError:
             pass
 
-    def _arm(self, conn: _Conn, deadline: float) -> None:
+    def _arm(self, conn: Conn, deadline: float) -> None:
         conn.token = next(self._tokens)
         if deadline != math.inf:
             heapq.heappush(self._heap, (deadline, conn.token, conn))
 
-    def _register(self, conn: _Conn, callback: Callable[[_Conn], None]) -> None:
+    def _register(self, conn: Conn, callback: Callable[[Conn], None]) -> None:
         def on_event(_fileobj: Any) -> None:
             callback(conn)
         if conn.registered:
@@ -275,7 +254,7 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             self.poller.register(conn.sock, selectors.EVENT_READ, on_event)
             conn.registered = True
 
-    def _unregister(self, conn: _Conn) -> None:
+    def _unregister(self, conn: Conn) -> None:
         if conn.registered:
             conn.registered = False
             try:
@@ -295,9 +274,9 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             _, token, conn = heapq.heappop(self._heap)
             if token != conn.token:
                 continue
-            if conn.state == _READING:
+            if conn.state == READING:
                 self._timed_out(conn)
-            elif conn.state == _LINGERING:
+            elif conn.state == LINGERING:
                 self._close(conn)
         if not self.alive:  # stopping: nobody is waiting for an answer on these
             for conn in [c for c in self._reading if not c.buf]:
@@ -310,7 +289,7 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
 
     # --- pool threads --------------------------------------------------------------
 
-    def handle(self, conn: _Conn) -> bool:
+    def handle(self, conn: Conn) -> bool:
         """Serve one request that is already in memory; every socket wait is bounded."""
         req = None
         try:
@@ -336,17 +315,7 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             self.handle_error(req, conn.sock, conn.client, exc)
         return False
 
-    def _keepalive_after(self, conn: _Conn, keepalive: bool) -> bool:
+    def _keepalive_after(self, conn: Conn, keepalive: bool) -> bool:
         if not conn.body_buffered:  # an unread oversized body: no reuse, no draining
             return False
         return bool(super()._keepalive_after(conn, keepalive))
-
-
-def _timeout_response(path: str, which: str) -> bytes:
-    message = ("the request headers were not received within http.readHeaderTimeout"
-               if which == "headers" else "the request was not received within http.readTimeout")
-    body = (hit_rate.error_document(408, message) if path == hit_rate.PATH
-            else orjson.dumps({"message": message, "status": 408}))
-    head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    return head.encode() + body

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from tests.conftest import RedisServer, wait_for
-from tests.integration.test_api_gunicorn import MAX_CANDIDATES, PATH, Api
+from tests.integration.test_api_gunicorn import LIMIT, MAX_CANDIDATES, PATH, Api
 
 BODY = orjson.dumps({"server_ip": ["10.3.0.1", "10.3.0.2"],
                      "body": {"token_ids": list(range(300)), "block_size": 128}})
@@ -204,3 +204,19 @@ def test_clients_that_vanish_leave_no_error_in_the_log(
     log = api.log_path.read_text()
     for marker in ("Traceback", "ERROR", "WARNING", "Error", "exception"):
         assert marker not in log, log
+
+
+def test_unfinished_bodies_past_the_buffer_budget_are_shed(fast_api: Api) -> None:
+    """Each worker buffers at most 16 maximum-size bodies of unfinished requests (1 MiB
+    here); past that the largest are answered 503 and closed, the rest time out (408)."""
+    head = f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Length: {LIMIT}\r\n\r\n".encode()
+    socks = [_connect(fast_api, head + b" " * (LIMIT - 100)) for _ in range(60)]
+    try:
+        with httpx.Client(timeout=10) as client:
+            _normal_request(client, fast_api)
+        statuses = [_read_until_closed(sock)[:12] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert set(statuses) <= {b"HTTP/1.1 503", b"HTTP/1.1 408"}, set(statuses)
+    assert b"HTTP/1.1 503" in statuses

@@ -1,4 +1,5 @@
-"""A client socket whose blocking reads and writes end by a deadline (Go's ``SetDeadline``).
+"""One client connection of the API worker: its state, and a socket whose blocking reads and
+writes end by a deadline (Go's ``SetDeadline``).
 
 gunicorn's request parser, body reader and response writer call ``recv``/``send``/
 ``sendall`` on the socket they were given and set it blocking first. Handing them a
@@ -14,6 +15,12 @@ import math
 import socket
 import time
 from typing import Any
+
+from gunicorn.workers.gthread import TConn
+
+from services.api.request_frame import RequestFrame
+
+READING, HANDLING, IDLE, LINGERING, CLOSED = range(5)  # Conn.state
 
 
 class DeadlineSocket:
@@ -60,3 +67,24 @@ class DeadlineSocket:
     def sendall(self, data: bytes, flags: int = 0) -> None:
         self._bound(self.write_deadline)  # Python bounds the whole sendall by the timeout
         self.raw.sendall(data, flags)
+
+
+class Conn(TConn):  # type: ignore[misc]
+    """gunicorn's connection plus what the worker tracks while it reads, answers, closes."""
+
+    def __init__(self, cfg: Any, sock: socket.socket, client: Any, server: Any) -> None:
+        self.raw = sock
+        super().__init__(cfg, DeadlineSocket(sock), client, server)
+        sock.setblocking(False)
+        self.state = READING
+        self.token = 0  # the deadline-heap entry that is current for this connection
+        self.registered = False
+        self.buf = bytearray()
+        self.frame: RequestFrame | None = None
+        self.header_deadline = math.inf
+        self.idle_timeout = math.inf
+        self.body_buffered = True
+        self.drained = 0
+
+    def set_timeout(self) -> None:  # keep-alive: gunicorn's own idle check reads .timeout
+        self.timeout = time.monotonic() + self.idle_timeout
