@@ -82,7 +82,8 @@ def main() -> int:
         for name, worker in WORKERS.items():
             ports[name] = _free_port()
             servers._start([sys.executable, "-m", "gunicorn", "-w", "2", "--threads", "4",
-                            "-k", worker, "--log-level", "warning", "--bind", f"127.0.0.1:{ports[name]}",
+                            "-k", worker, "--log-level", "warning",
+                            "--bind", f"127.0.0.1:{ports[name]}",
                             "services.api.app:get_app()"], env)
             _wait(lambda p=ports[name]: httpx.get(f"http://127.0.0.1:{p}/healthz")
                   .status_code == 200, name)

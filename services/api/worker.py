@@ -23,7 +23,9 @@ contract's shape on the hit-rate path) and is closed; one that sent nothing, or 
 is just closed. Closing after a response lingers in the selector (half-close, drain at
 most 64 KiB for 2 s) instead of blocking the loop as stock gthread does. Bodies larger than
 ``http.maxHitRateBodyBytes`` are not buffered: the request is dispatched after its headers
-(so the app answers 413 without reading it) and the connection is closed afterwards.
+(so the app answers 413 without reading it) and the connection is closed afterwards; and
+when a worker's unfinished requests hold more than :attr:`Limits.buffer_budget` bytes, the
+largest are answered 503 and closed.
 """
 
 from __future__ import annotations
