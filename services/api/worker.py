@@ -243,9 +243,13 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             pass
 
     def _arm(self, conn: Conn, deadline: float) -> None:
+        """Make ``deadline`` the connection's only live one (older heap entries go stale)."""
         conn.token = next(self._tokens)
         if deadline != math.inf:
             heapq.heappush(self._heap, (deadline, conn.token, conn))
+        if len(self._heap) > 4 * self.nr_conns + 1024:  # stale entries keep closed conns alive
+            self._heap = [entry for entry in self._heap if entry[1] == entry[2].token]
+            heapq.heapify(self._heap)
 
     def _register(self, conn: Conn, callback: Callable[[Conn], None]) -> None:
         def on_event(_fileobj: Any) -> None:
