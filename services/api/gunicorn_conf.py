@@ -1,6 +1,6 @@
 """gunicorn settings for the API, derived from the ``http`` section of the config, and its hooks.
 
-How each ``http.*`` key is enforced (gunicorn 22+, :class:`services.api.worker.DeadlineWorker`,
+How each ``http.*`` key is enforced (gunicorn 27.x, :class:`services.api.worker.DeadlineWorker`,
 a ``gthread`` worker that reads each request whole in its selector thread before a pool
 thread sees it):
 

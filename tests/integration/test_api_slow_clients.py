@@ -220,3 +220,17 @@ def test_unfinished_bodies_past_the_buffer_budget_are_shed(fast_api: Api) -> Non
             sock.close()
     assert set(statuses) <= {b"HTTP/1.1 503", b"HTTP/1.1 408"}, set(statuses)
     assert b"HTTP/1.1 503" in statuses
+
+
+def test_chunked_body_after_100_continue_is_served(fast_api: Api) -> None:
+    sock = _connect(fast_api, (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked"
+                               "\r\nExpect: 100-continue\r\n\r\n").encode())
+    sock.settimeout(30)
+    assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    half = len(BODY) // 2
+    for part in (BODY[:half], BODY[half:]):
+        sock.sendall(b"%x\r\n%b\r\n" % (len(part), part))
+    sock.sendall(b"0\r\n\r\n")
+    data = _read_until_closed(sock)  # the answer, then the idle deadline closes it
+    assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1 100") == 0
+    assert orjson.loads(data.split(b"\r\n\r\n", 1)[1])["status"] == 0
