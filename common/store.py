@@ -8,13 +8,16 @@ per :class:`Store`. Reads on the API's hot path are one non-transactional pipeli
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from common import keys, store_lua
+
+_WRITE_BYTES = 1 << 20
+"""Bytes of packed commands built at a time for one pipelined read."""
 
 L3_CHUNK = 10_000
 """Members per SADD when a staging set is filled (bounded command size)."""
@@ -286,18 +289,24 @@ class Store:
 
         redis-py's pipeline costs tens of microseconds of Python per command, more than the
         whole request of a short prompt; the members are encoded once here and the commands
-        sent in one write. One retry on a broken connection (a pooled socket that went stale
-        across a Redis restart), as the client's own ``Retry`` would do.
+        written in pieces of about 1 MiB, all before the first reply is read. One retry on a
+        broken connection (a pooled socket gone stale across a Redis restart), as the
+        client's own ``Retry`` would do.
         """
         blob = b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
         head = b"*%d\r\n$10\r\nSMISMEMBER\r\n" % (len(members) + 2)
-        payload = b"".join([head + b"$%d\r\n%b\r\n" % (len(k), k) + blob
-                            for k in (name.encode() for name in names)])
+        keys_ = [name.encode() for name in names]
+        per_write = max(1, _WRITE_BYTES // len(blob))  # bounded memory for long prompts
+
+        def payload() -> Iterator[bytes]:
+            for i in range(0, len(keys_), per_write):
+                yield b"".join([head + b"$%d\r\n%b\r\n" % (len(k), k) + blob
+                                for k in keys_[i:i + per_write]])
         pool = self.r.connection_pool
         for attempt in (1, 2):
             conn: Any = pool.get_connection()  # redis-py leaves its methods untyped
             try:
-                conn.send_packed_command([payload])
+                conn.send_packed_command(payload())
                 return [conn.read_response() for _ in names]
             except (redis.ConnectionError, redis.TimeoutError):
                 conn.disconnect()

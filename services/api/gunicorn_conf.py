@@ -15,7 +15,7 @@ thread sees it):
 | idleTimeout         | the worker, keepalive       | an idle kept-alive connection is closed after this; 0 = readTimeout |
 | maxHeaderBytes      | limit_request_line, limit_request_field_size | each capped at 8190, gunicorn's maximum; with the default 100 fields the header block stays under ~800 KiB |
 | maxHitRateBodyBytes | the worker, the app         | bodies over it are not buffered; :func:`services.api.hit_rate.read_body`: Content-Length check (413 unread), capped chunked read |
-| maxCandidates       | the app                     | :func:`services.api.hit_rate.parse_request`: more distinct ``server_ip`` values → 400 |
+| maxCandidates       | the app                     | :func:`services.api.hit_rate.parse_request`: more distinct ``server_ip`` values, or more than maxCandidates × 4096 candidate-blocks → 400 |
 
 gunicorn's own durations are rounded up to whole seconds (it takes integers); the worker's
 deadlines are exact. The hooks run the

@@ -10,7 +10,8 @@ run of the prompt's blocks, from block 0, that the instance holds in a tier, div
 
 At most ``http.maxCandidates`` distinct ``server_ip`` values are accepted (a repeated ip is
 read once), checked before any hashing or Redis work, so one request's Redis reads
-are bounded by 2 × maxCandidates commands of at most ``n`` members.
+are at most 2 × maxCandidates SMISMEMBER commands, and the distinct candidates × full blocks
+at most maxCandidates × 4,096 (a 400 otherwise, also before any work).
 The body is never read past ``http.maxHitRateBodyBytes``: a larger ``Content-Length`` is
 refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
@@ -41,6 +42,8 @@ _TOP_FIELDS = ("server_ip", "body")
 _BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
 _BODY_REQUIRED = ("token_ids", "block_size")
 DEFAULT_MAX_CANDIDATES = 1024
+LOOKUPS_PER_CANDIDATE = 4096
+"""Full blocks per distinct candidate that one request may have looked up, on average."""
 UNREACHABLE = "the hit rate could not be computed: the state store is unreachable"
 
 
@@ -109,7 +112,23 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    return HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    request = HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    _check_lookups(request, max_candidates)
+    return request
+
+
+def _check_lookups(request: HitRateRequest, max_candidates: int) -> None:
+    """Bound one request's Redis work: distinct candidates × full blocks (set look-ups per
+    tier) at most ``max_candidates × LOOKUPS_PER_CANDIDATE``; a tiny block size over a long
+    prompt would otherwise ask Redis for billions of look-ups."""
+    blocks = len(request.token_ids) // request.block_size
+    limit = max_candidates * LOOKUPS_PER_CANDIDATE
+    if blocks * len(request.server_ips) > limit:  # cheap bound first: duplicates cost nothing
+        distinct = len(set(request.server_ips))
+        if blocks * distinct > limit:
+            raise _bad(f"the request needs {blocks * distinct} block look-ups per tier "
+                       f"({distinct} instances × {blocks} blocks), more than the limit of "
+                       f"{limit} (http.maxCandidates × {LOOKUPS_PER_CANDIDATE})")
 
 
 def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],

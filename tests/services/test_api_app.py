@@ -203,6 +203,23 @@ def test_more_distinct_candidates_than_max_candidates_is_400_before_any_work(
     assert len(_ratios(_ask(client, ips[:limit] * 20, PROMPT))) == limit * 20
 
 
+def test_block_lookups_past_max_candidates_times_4096_are_400_before_any_work(
+        dead_store: Store, redis_client: redis.Redis, hasher: BlockHasher) -> None:
+    counting = _CountingHasher(hasher)
+    tokens = list(range(4096 + 1))
+    doc = {"server_ip": [A, B, A], "body": {"token_ids": tokens, "block_size": 1}}
+    result = _client(dead_store, counting, max_candidates=2).simulate_post(  # type: ignore[arg-type]
+        PATH, body=orjson.dumps(doc))
+    assert result.status_code == 400 and counting.calls == 0
+    assert result.json["message"] == (
+        "the request needs 8194 block look-ups per tier (2 instances × 4097 blocks), more "
+        "than the limit of 8192 (http.maxCandidates × 4096)")
+    doc["body"]["token_ids"] = tokens[:4096]  # type: ignore[index]
+    result = _client(Store(redis_client), hasher, max_candidates=2).simulate_post(
+        PATH, body=orjson.dumps(doc))
+    assert _ratios(result) == [(A, 0.0, 0.0), (B, 0.0, 0.0), (A, 0.0, 0.0)]
+
+
 def test_largest_token_id_is_accepted(redis_client: redis.Redis, hasher: BlockHasher) -> None:
     client = _client(Store(redis_client), hasher)
     assert _ratios(_ask(client, [A], [2**64 - 1] * BS)) == [(A, 0.0, 0.0)]
