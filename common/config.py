@@ -70,6 +70,7 @@ class HTTP:
     idle_timeout: Duration = _f(Duration(120))
     max_header_bytes: int = 1048576
     max_hit_rate_body_bytes: int = 4194304
+    max_candidates: int = 1024
     workers: int = 2
     threads: int = 4
 
@@ -329,6 +330,7 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     for dotted, value in (
         ("http.maxHitRateBodyBytes", cfg.http.max_hit_rate_body_bytes),
         ("http.maxHeaderBytes", cfg.http.max_header_bytes),
+        ("http.maxCandidates", cfg.http.max_candidates),
         ("http.workers", cfg.http.workers),
         ("http.threads", cfg.http.threads),
         ("ingest.l3.batchSize", cfg.ingest.l3.batch_size),

@@ -1,19 +1,23 @@
-"""Benchmark ``POST /kv-cache/hit-rate`` under the real gunicorn server, against baselines.
+"""Benchmark ``POST /kv-cache/hit-rate`` under gunicorn against a trivial Falcon app, side by side.
 
-Starts its own redis-server and ``cache-indexer api`` on free loopback ports, registers
-instances holding partially matching prefixes of one prompt (plus unrelated blocks so the
-sets are not tiny), then sends a bounded number of requests from a few client processes
-and prints requests/s and p50/p99 latency per case. In the same run, in this process and
-single-threaded, it times the parts and a naive baseline:
+Starts its own redis-server, ``cache-indexer api`` (2 workers) and, on the same gunicorn
+settings, a trivial Falcon app (:func:`baseline_app`, stock ``gthread``) that only parses
+the same body and reads the same sets with members hashed once at start-up:
 
-- ``hash``: :meth:`BlockHasher.member_keys` alone;
-- ``hash + pipelined``: hash, then :meth:`Store.prefix_lengths` (one round trip) — what
-  the API does per request, without HTTP/JSON;
-- ``hash + naive``: hash, then one SISMEMBER per block per tier per instance, each its
-  own round trip, stopping at the first miss (no pipelining).
+- ``/trivial``: one pipelined SMISMEMBER per candidate (L1) — issue 12's yardstick;
+- ``/floor``: one pipelined SMISMEMBER per candidate and tier — what any answer must cost
+  without hashing.
 
-Usage: ``python scripts/bench_api.py [--workers 2] [--clients 4] [--requests-4k 2000]
-[--requests-128k 200]``. Needs ``redis-server`` on PATH. Prints Markdown.
+Throughput (needs ``wrk``, Debian package ``wrk``): 8 candidates × 4,096 tokens, block 128,
+half the candidates holding the whole prompt in L1; wrk runs on the API and on
+``/trivial`` in turns, ``--rounds`` times, and the ratio of each pair is printed with
+their median. Long prompts: 16 candidates × 131,072 tokens, one client, requests to the
+API and to ``/floor`` in turns; p50/p99 of both, next to vLLM's own time to hash that
+prompt (``--vllm-python``, see ``scripts/setup_vllm_bench_venv.sh``) and an in-process
+breakdown of the API's stages. Prints Markdown.
+
+Usage: ``python scripts/bench_api.py [--rounds 3] [--seconds 8] [--connections 8]
+[--requests-128k 60] [--vllm-python /tmp/vllm-venv/bin/python]``. Needs ``redis-server``.
 """
 
 from __future__ import annotations
@@ -21,16 +25,18 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -43,11 +49,66 @@ from common import keys
 from common.blockhash import BlockHasher
 from common.config import Config
 from common.store import Instance, Store, TierOps
+from services.api import hit_rate
+from services.api.api_metrics import ApiMetrics
 from services.api.app import hash_settings
 
 BLOCK = 128
 NOISE = 20_000  # unrelated block hashes per instance and tier
-CASES = (("4k tokens, 8 instances", 4096, 8), ("128k tokens, 16 instances", 131072, 16))
+MEMBERS_ENV = "BENCH_API_MEMBERS"  # file: {"<token count>": [members...]} for the baseline
+
+
+def _members() -> dict[int, list[bytes]]:
+    return {int(k): [m.encode() for m in v]
+            for k, v in orjson.loads(Path(os.environ[MEMBERS_ENV]).read_bytes()).items()}
+
+
+class Precomputed:
+    """A hasher that knows the bench prompts' member keys: the API with hashing taken out."""
+
+    def __init__(self, members: dict[int, list[bytes]]) -> None:
+        self.members = members
+
+    def member_keys(self, token_ids: list[int], block_size: int,
+                    cache_salt: str | None = None) -> list[bytes]:
+        return self.members[len(token_ids)]
+
+
+def api_without_hashing_app() -> Any:
+    """The real API app (gunicorn entry point) over a :class:`Precomputed` hasher."""
+    from services.api.app import create_app, redis_client
+
+    config = Config()
+    config.redis.url = os.environ["BENCH_API_REDIS"]
+    config.http.max_hit_rate_body_bytes = 8388608
+    return create_app(config, Store(redis_client(config)), Precomputed(_members()),
+                      ApiMetrics())
+
+
+def baseline_app() -> Any:
+    """The trivial app (gunicorn entry point): parse, one pipelined read, tiny answer."""
+    import falcon
+
+    members = _members()
+    client = redis.Redis.from_url(os.environ["BENCH_API_REDIS"])
+
+    class Read:
+        def __init__(self, tiers: tuple[Callable[[str], str], ...]) -> None:
+            self.tiers = tiers
+
+        def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+            doc = orjson.loads(req.bounded_stream.read())
+            wanted = members[len(doc["body"]["token_ids"])]
+            pipe = client.pipeline(transaction=False)
+            for ip in doc["server_ip"]:
+                for key in self.tiers:
+                    pipe.smismember(key(ip), wanted)
+            resp.data = orjson.dumps({"held": [sum(r) for r in pipe.execute()]})
+
+    app = falcon.App()
+    app.add_route("/trivial", Read((keys.tier_set,)))
+    app.add_route("/floor", Read((keys.tier_set, keys.l3_set)))
+    return app
 
 
 def _free_port() -> int:
@@ -56,15 +117,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait(cond: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+def _wait(cond: Callable[[], object], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if cond():
                 return
         except (OSError, httpx.HTTPError, redis.RedisError):  # still starting
-            time.sleep(0.05)
-            continue
+            pass
         time.sleep(0.05)
     raise SystemExit(f"bench: timed out waiting for {what}")
 
@@ -79,65 +139,67 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _populate(store: Store, rng: random.Random, prompt_members: list[int], ips: list[str]) -> None:
-    """Instance i holds the first n*i/k blocks in L1 and the first n*(k-i)/k in L3, then a
-    hole, then the rest of the prompt, plus unrelated blocks."""
-    n, k = len(prompt_members), len(ips)
+def _populate(store: Store, rng: random.Random, prompt: list[int], ips: list[str]) -> None:
+    """Even candidates hold the whole prompt in L1, odd ones none of it; every candidate
+    holds the first half in L3; all sets also hold unrelated blocks."""
     for i, ip in enumerate(ips):
         _, gen = store.upsert_instance(Instance(ip=ip, uid=f"bench-{ip}"))
-        l1_run, l3_run = n * i // k, n * (k - i) // k
         ops = TierOps()
-        ops.store("l1", prompt_members[:l1_run] + prompt_members[l1_run + 1:]
-                  + [rng.getrandbits(64) for _ in range(NOISE)])
+        ops.store("l1", (prompt if i % 2 == 0 else [])
+                  + [rng.getrandbits(63) for _ in range(NOISE)])
         store.apply_batch(ip, gen, 0, 1, ops)
-        store.replace_l3(ip, prompt_members[:l3_run] + prompt_members[l3_run + 1:]
-                         + [rng.getrandbits(64) for _ in range(NOISE)])
+        store.replace_l3(ip, prompt[: len(prompt) // 2]
+                         + [rng.getrandbits(63) for _ in range(NOISE)])
 
 
-def _client_run(url: str, body: bytes, count: int) -> list[float]:
-    latencies = []
-    with httpx.Client(timeout=30) as client:
-        for _ in range(count):
-            start = time.perf_counter()
-            resp = client.post(url, content=body, headers={"Content-Type": "application/json"})
-            latencies.append(time.perf_counter() - start)
-            if resp.status_code != 200:
-                raise RuntimeError(f"unexpected {resp.status_code}: {resp.text[:200]}")
-    return latencies
+def _prompt(hasher: BlockHasher, store: Store, tokens: int, candidates: int,
+            subnet: int) -> tuple[bytes, list[str], list[int], list[bytes]]:
+    rng = random.Random(tokens)
+    prompt = [rng.randrange(151_936) for _ in range(tokens)]
+    members = hasher.member_keys(prompt, BLOCK)
+    ips = [f"10.{subnet}.0.{i + 1}" for i in range(candidates)]
+    _populate(store, rng, [int(m) for m in members], ips)
+    body = orjson.dumps({"server_ip": ips, "body": {"token_ids": prompt, "cache_salt": "",
+                                                    "block_size": BLOCK}})
+    return body, ips, prompt, members
 
 
-def _over_http(url: str, body: bytes, requests: int, clients: int) -> tuple[float, list[float]]:
-    _client_run(url, body, 5)  # warm-up: connections, worker imports
-    per_client = max(1, requests // clients)
-    with ProcessPoolExecutor(clients) as pool:
-        start = time.perf_counter()
-        futures = [pool.submit(_client_run, url, body, per_client) for _ in range(clients)]
-        latencies = [lat for f in futures for lat in f.result()]
-        elapsed = time.perf_counter() - start
-    return len(latencies) / elapsed, latencies
+def _wrk(url: str, body_file: Path, args: argparse.Namespace) -> float:
+    script = body_file.with_suffix(".lua")
+    script.write_text(f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\n'
+                      f"f:close()\n")
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{args.connections}", f"-d{args.seconds}s", "-s", str(script), url],
+        capture_output=True, text=True, check=True).stdout
+    if "Non-2xx" in out:
+        raise SystemExit(f"bench: non-2xx answers from {url}:\n{out}")
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if not match:
+        raise SystemExit(f"bench: no rate in wrk output:\n{out}")
+    return float(match.group(1))
 
 
-def _naive_lengths(client: redis.Redis, ips: list[str],
-                   members: list[bytes]) -> list[tuple[int, int]]:
-    out = []
-    for ip in ips:
-        runs = []
-        for key in (keys.tier_set(ip, "l1"), keys.l3_set(ip)):
-            run = 0
-            while run < len(members) and client.sismember(key, members[run]):
-                run += 1
-            runs.append(run)
-        out.append((runs[0], runs[1]))
-    return out
+def _cpu_seconds(master: int) -> float:
+    """User + system CPU of a gunicorn master's worker processes, from /proc."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == master:  # ppid
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
-def _timed(fn: Callable[[], object], repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+def _one(client: httpx.Client, url: str, body: bytes) -> float:
+    start = time.perf_counter()
+    resp = client.post(url, content=body, headers={"Content-Type": "application/json"})
+    elapsed = time.perf_counter() - start
+    if resp.status_code != 200:
+        raise SystemExit(f"bench: {url} answered {resp.status_code}: {resp.text[:200]}")
+    return elapsed
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -145,81 +207,217 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def _row(name: str, latencies: list[float], rps: float | None = None) -> str:
-    rate = rps if rps is not None else len(latencies) / sum(latencies)
-    return f"| {name} | {rate:,.0f} | {_pct(latencies, 0.5):.2f} | {_pct(latencies, 0.99):.2f} |"
-
-
-def _case(args: argparse.Namespace, url: str, store: Store, hasher: BlockHasher,
-          label: str, tokens: int, instances: int, requests: int) -> list[str]:
-    rng = random.Random(tokens)
-    prompt = [rng.randrange(150_000) for _ in range(tokens)]
-    members = hasher.member_keys(prompt, BLOCK)
-    ips = [f"10.{tokens % 251}.0.{i + 1}" for i in range(instances)]
-    _populate(store, rng, [int(m) for m in members], ips)
-    expected = store.prefix_lengths(ips, members)
-    assert _naive_lengths(store.r, ips, members) == expected
-    body = orjson.dumps({"server_ip": ips, "body": {"token_ids": prompt, "cache_salt": "",
-                                                    "block_size": BLOCK}})
-    rps, http_lat = _over_http(url, body, requests, args.clients)
-    rps1, http_lat1 = _over_http(url, body, max(20, requests // 4), 1)
-    repeat = max(20, requests // 10)
-    naive_repeat = max(5, repeat // 10)
-    return [
-        f"**{label}** ({tokens // BLOCK} blocks, request body {len(body) / 1024:,.0f} KiB)", "",
-        "| path | req/s | p50 ms | p99 ms |", "|---|---:|---:|---:|",
-        _row(f"API over HTTP ({args.workers} workers, {args.clients} clients)", http_lat, rps),
-        _row(f"API over HTTP ({args.workers} workers, 1 client)", http_lat1, rps1),
-        _row("in-process: hash only", _timed(lambda: hasher.member_keys(prompt, BLOCK), repeat)),
-        _row("in-process: hash + pipelined reads (1 round trip)", _timed(
-            lambda: store.prefix_lengths(ips, hasher.member_keys(prompt, BLOCK)), repeat)),
-        _row("baseline: hash + naive SISMEMBER loop", _timed(
-            lambda: _naive_lengths(store.r, ips, hasher.member_keys(prompt, BLOCK)),
-            naive_repeat)),
-        "",
+def _stages(body: bytes, store: Store, hasher: BlockHasher, repeat: int) -> list[str]:
+    """Best and median in-process time of each stage of the API's work on ``body``."""
+    request = hit_rate.parse_request(body)
+    metrics = ApiMetrics()
+    members = hasher.member_keys(request.token_ids, BLOCK)
+    scores = hit_rate.score(request, store, hasher, metrics)
+    stages: list[tuple[str, Callable[[], object]]] = [
+        ("orjson.loads", lambda: orjson.loads(body)),
+        ("parse_request (loads + validation)", lambda: hit_rate.parse_request(body)),
+        ("member_keys (hashing)", lambda: hasher.member_keys(request.token_ids, BLOCK)),
+        ("Store.prefix_lengths (one pipelined round trip)",
+         lambda: store.prefix_lengths(request.server_ips, members)),
+        ("response orjson.dumps", lambda: orjson.dumps(
+            {"server_score_list": scores, "message": "", "status": 0})),
+        ("all of the above (score + parse + dumps)", lambda: orjson.dumps(
+            {"server_score_list": hit_rate.score(hit_rate.parse_request(body), store, hasher,
+                                                 metrics), "message": "", "status": 0})),
     ]
+    rows = ["| stage (in-process, one thread) | best ms | median ms |", "|---|---:|---:|"]
+    for name, func in stages:
+        func()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            func()
+            times.append(time.perf_counter() - start)
+        rows.append(f"| {name} | {min(times) * 1000:.2f} | {statistics.median(times) * 1000:.2f} |")
+    return rows
+
+
+def _cpu_per_request(body: bytes, store: Store, hasher: BlockHasher, repeat: int) -> list[str]:
+    """CPU time (this process) per request through each WSGI app, in-process, no HTTP."""
+    import io
+
+    from services.api.app import create_app
+
+    config = Config()
+    apps = [("API", create_app(config, store, hasher, ApiMetrics()), hit_rate.PATH),
+            ("API, hashing taken out", api_without_hashing_app(), hit_rate.PATH),
+            ("trivial app (/trivial)", baseline_app(), "/trivial"),
+            ("floor (/floor)", baseline_app(), "/floor")]
+    rows = ["| WSGI app (in-process, no HTTP) | CPU µs per request |", "|---|---:|"]
+    for name, app, path in apps:
+        def call(app: Any = app, path: str = path) -> bytes:
+            env = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "QUERY_STRING": "",
+                   "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json",
+                   "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
+                   "SERVER_NAME": "b", "SERVER_PORT": "80", "wsgi.url_scheme": "http",
+                   "SERVER_PROTOCOL": "HTTP/1.1"}
+            return b"".join(app(env, lambda status, headers: None))
+        call()
+        start = time.process_time()
+        for _ in range(repeat):
+            call()
+        rows.append(f"| {name} | {(time.process_time() - start) / repeat * 1e6:,.0f} |")
+    return rows
+
+
+def _throughput(http: dict[str, tuple[str, int]], body: bytes, tmp: Path,
+                args: argparse.Namespace) -> list[str]:
+    """wrk on each server in turn, ``args.rounds`` times; req/s, CPU per request, ratios."""
+    (tmp / "small.json").write_bytes(body)
+    names = list(http)
+    lines = ["**Throughput**: 8 candidates × 4,096 tokens, block 128 "
+             f"(body {len(body) / 1024:.0f} KiB), wrk -t1 -c{args.connections} "
+             f"-d{args.seconds}s, {args.workers} workers each; req/s, and the workers' CPU ms "
+             "per request; ratio = vs the trivial app", "",
+             "| round | " + " | ".join(names) + " | API ratio | API CPU ratio | API without "
+             "hashing ratio |", "|---|" + "---:|" * (len(names) + 3)]
+    ratios: list[list[float]] = [[], [], []]
+    for n in range(args.rounds):
+        rate, cpu = {}, {}
+        for name, (url, pid) in http.items():
+            path = url if name != "trivial app" else f"{url}/trivial"
+            before = _cpu_seconds(pid)
+            rate[name] = _wrk(path, tmp / "small.json", args)
+            cpu[name] = (_cpu_seconds(pid) - before) / (rate[name] * args.seconds) * 1000
+        trivial = "trivial app"
+        row = [rate["API"] / rate[trivial], cpu[trivial] / cpu["API"],
+               rate["API, hashing taken out"] / rate[trivial]]
+        for i, value in enumerate(row):
+            ratios[i].append(value)
+        lines.append(f"| {n + 1} | " + " | ".join(
+            f"{rate[k]:,.0f} ({cpu[k]:.2f} ms)" for k in names) + " | "
+            + " | ".join(f"{v:.2f}" for v in row) + " |")
+    lines.append("| median | " + " | " * (len(names) - 1) + " | "
+                 + " | ".join(f"**{statistics.median(r):.2f}**" for r in ratios) + " |")
+    return lines
+
+
+def _vllm_ms(python: str | None, prompt: list[int]) -> tuple[float | None, str]:
+    """vLLM's own best time to hash ``prompt`` (ms), or None and why it was not measured."""
+    if not python:
+        return None, "not measured (no --vllm-python)"
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_hash import run_vllm
+    try:
+        result = run_vllm(python, {"p": prompt}, [["p", BLOCK, 20]])
+    except RuntimeError as exc:
+        return None, f"not measured ({exc})"
+    ms = result["results"][0][0] / 1e6
+    return ms, f"{ms:.2f} ms (vLLM {result['version']}, best of 20)"
+
+
+class Servers:
+    """redis-server, the API and the baseline app; everything this script started."""
+
+    def __init__(self, tmp: Path, workers: int) -> None:
+        self.tmp, self.workers = tmp, workers
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.redis_port, self.api_port, self.base_port = _free_port(), _free_port(), _free_port()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
+        self.env["PYTHONPATH"] = str(ROOT)
+        self._start(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                     "--save", "", "--appendonly", "no", "--dir", str(tmp)])
+        self.client = redis.Redis(port=self.redis_port)
+        _wait(self.client.ping, "redis-server")
+
+    def _start(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.procs.append(subprocess.Popen(argv, cwd=ROOT, env=env or self.env,
+                                           stdout=subprocess.DEVNULL))
+
+    def start_http(self, members: dict[int, list[bytes]]) -> dict[str, tuple[str, int]]:
+        """The API, the API without hashing and the trivial app: name → (url, master pid)."""
+        ports = [_free_port() for _ in range(3)]
+        config = self.tmp / "config.yaml"
+        config.write_text(
+            f'http:\n  addr: "127.0.0.1:{ports[0]}"\n  workers: {self.workers}\n'
+            f"  maxHitRateBodyBytes: 8388608\nlog:\n  level: warning\n"
+            f"redis:\n  url: redis://127.0.0.1:{self.redis_port}/0\n")
+        self._start([sys.executable, "-m", "services.cli", "api", "--config", str(config)])
+        members_file = self.tmp / "members.json"
+        members_file.write_bytes(orjson.dumps(
+            {str(k): [m.decode() for m in v] for k, v in members.items()}))
+        os.environ[MEMBERS_ENV] = str(members_file)
+        os.environ["BENCH_API_REDIS"] = f"redis://127.0.0.1:{self.redis_port}/0"
+        env = {**self.env, MEMBERS_ENV: str(members_file),
+               "BENCH_API_REDIS": os.environ["BENCH_API_REDIS"]}
+        for port, worker, app in (
+                (ports[1], "services.api.worker.DeadlineWorker", "api_without_hashing_app()"),
+                (ports[2], "gthread", "baseline_app()")):
+            self._start([sys.executable, "-m", "gunicorn", "--workers", str(self.workers),
+                         "--worker-class", worker, "--threads", "4", "--log-level", "warning",
+                         "--bind", f"127.0.0.1:{port}", "--pythonpath", "scripts",
+                         f"bench_api:{app}"], env)
+        for port in ports:
+            _wait(lambda p=port: httpx.get(f"http://127.0.0.1:{p}/healthz").status_code
+                  in (200, 404, 405), f"the server on {port}")
+        urls = [f"http://127.0.0.1:{ports[0]}{hit_rate.PATH}",
+                f"http://127.0.0.1:{ports[1]}{hit_rate.PATH}", f"http://127.0.0.1:{ports[2]}"]
+        names = ("API", "API, hashing taken out", "trivial app")
+        return {name: (url, proc.pid) for name, url, proc in zip(names, urls, self.procs[1:])}
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--requests-4k", type=int, default=2000)
-    parser.add_argument("--requests-128k", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--requests-128k", type=int, default=60)
+    parser.add_argument("--vllm-python")
     args = parser.parse_args()
+    if not shutil.which("wrk"):
+        raise SystemExit("bench: wrk is not installed (apt-get install -y wrk)")
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
-    redis_port, api_port = _free_port(), _free_port()
-    redis_proc = subprocess.Popen(
-        ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
-    api_proc: subprocess.Popen[bytes] | None = None
+    servers = Servers(tmp, args.workers)
     try:
-        client = redis.Redis(port=redis_port)
-        _wait(client.ping, "redis-server")
-        (tmp / "config.yaml").write_text(
-            f'http:\n  addr: "127.0.0.1:{api_port}"\n  workers: {args.workers}\n'
-            f"  maxHitRateBodyBytes: 8388608\nlog:\n  level: warning\n"
-            f"redis:\n  url: redis://127.0.0.1:{redis_port}/0\n")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
-        env["PYTHONPATH"] = str(ROOT)
-        api_proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "api", "--config", str(tmp / "config.yaml")],
-            cwd=ROOT, env=env)
-        base = f"http://127.0.0.1:{api_port}"
-        _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "the API")
-        store, hasher = Store(client), BlockHasher(hash_settings(Config()))
-        version = client.info()["redis_version"]
-        lines = [(f"redis-server {version}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
-                  " (clients, server and Redis share them)"), ""]
-        for (label, tokens, instances), requests in zip(
-                CASES, (args.requests_4k, args.requests_128k)):
-            lines += _case(args, f"{base}/kv-cache/hit-rate", store, hasher, label, tokens,
-                           instances, requests)
+        store, hasher = Store(servers.client), BlockHasher(hash_settings(Config()))
+        small, _, _, small_members = _prompt(hasher, store, 4096, 8, 41)
+        large, _, large_prompt, large_members = _prompt(hasher, store, 131072, 16, 42)
+        http = servers.start_http({4096: small_members, 131072: large_members})
+        api, base = http["API"][0], http["trivial app"][0]
+        lines = [f"redis-server {servers.client.info()['redis_version']}, Python "
+                 f"{sys.version.split()[0]}, {os.cpu_count()} CPUs shared by wrk, the servers "
+                 "and Redis", ""]
+        lines += _throughput(http, small, tmp, args) + [""]
+        lines += _cpu_per_request(small, store, hasher, 1000) + [""]
+        targets = {"API": api, "API, hashing taken out": http["API, hashing taken out"][0],
+                   "floor (parse + one pipelined read of both tiers, no hashing)":
+                   f"{base}/floor"}
+        lat: dict[str, list[float]] = {name: [] for name in targets}
+        with httpx.Client(timeout=60) as client:
+            for _ in range(3):  # warm-up
+                for url in targets.values():
+                    _one(client, url, large)
+            for _ in range(args.requests_128k):
+                for name, url in targets.items():
+                    lat[name].append(_one(client, url, large))
+        floor = list(lat.values())[-1]
+        lines += ["**Long prompt**: 16 candidates × 131,072 tokens, block 128 "
+                  f"(body {len(large) / 1024:.0f} KiB), one client, {args.requests_128k} "
+                  "requests each, in turns", "",
+                  "| path | p50 ms | p99 ms | p50 − floor p50 |", "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {_pct(v, 0.5):.1f} | {_pct(v, 0.99):.1f} | "
+                  f"{_pct(v, 0.5) - _pct(floor, 0.5):.1f} |" for name, v in lat.items()]
+        vllm, text = _vllm_ms(args.vllm_python, large_prompt)
+        lines += ["", f"vLLM's own hashing of this prompt: {text}"]
+        if vllm:
+            extra = _pct(lat["API"], 0.5) - _pct(floor, 0.5)
+            lines.append(f"API p50 − floor p50 = {extra:.1f} ms = {extra / vllm:.2f}× vLLM's "
+                         "hashing time (target: at most 1×)")
+        lines.append("")
+        lines += _stages(large, store, hasher, 20)
         print("\n".join(lines))
     finally:
-        if api_proc is not None:
-            _stop(api_proc)
-        _stop(redis_proc)
+        servers.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -129,7 +129,7 @@ def create_app(config: Config, store: Store, hasher: hit_rate.Hasher,
     middleware: list[Any] = [_RequestMetrics(metrics), hit_rate.PostOnly()]
     app: App = falcon.App(middleware=middleware)
     app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
-        store, hasher, metrics, config.http.max_hit_rate_body_bytes))
+        store, hasher, metrics, config.http.max_hit_rate_body_bytes, config.http.max_candidates))
     app.add_route("/healthz", _Health())
     app.add_route("/readyz", _Ready(store, metrics))
     app.add_route("/metrics", _Metrics(metrics))

@@ -1,20 +1,24 @@
 """gunicorn settings for the API, derived from the ``http`` section of the config, and its hooks.
 
-How each ``http.*`` key is enforced (gunicorn 22+, ``gthread`` workers):
+How each ``http.*`` key is enforced (gunicorn 27.x, :class:`services.api.worker.DeadlineWorker`,
+a ``gthread`` worker that reads each request whole in its selector thread before a pool
+thread sees it):
 
-| key                 | gunicorn setting            | notes |
+| key                 | enforced by                 | notes |
 |---------------------|-----------------------------|-------|
 | addr                | bind                        | Go style: ``:28080`` = all interfaces; ``--bind`` overrides |
-| workers, threads    | workers, threads            | this project's keys; ``--workers`` overrides |
+| workers, threads    | workers, threads            | this project's keys; ``--workers`` overrides; threads only run complete requests |
 | shutdownTimeout     | graceful_timeout            | SIGTERM: workers finish in-flight requests for at most this long |
-| writeTimeout        | timeout                     | gunicorn's worker-silence timeout (a wedged worker is killed and replaced); not a per-response write deadline |
-| idleTimeout         | keepalive                   | idle keep-alive connections are closed after this |
+| readHeaderTimeout   | the worker                  | accept (or a kept-alive connection's next first byte) to the end of the headers; past it: 408 and close (just close if nothing was sent); 0 = readTimeout |
+| readTimeout         | the worker                  | the same start to the end of the body; past it: 408 and close; 0 = none |
+| writeTimeout        | the worker                  | end of the headers to the end of the response (every socket write of the thread is bounded); past it the connection is closed; 0 = none. gunicorn's ``timeout`` (a wedged worker is replaced) is max(writeTimeout, 30 s) |
+| idleTimeout         | the worker, keepalive       | an idle kept-alive connection is closed after this; 0 = readTimeout |
 | maxHeaderBytes      | limit_request_line, limit_request_field_size | each capped at 8190, gunicorn's maximum; with the default 100 fields the header block stays under ~800 KiB |
-| maxHitRateBodyBytes | (the app)                   | :func:`services.api.hit_rate.read_body`: Content-Length check, capped chunked read |
-| readHeaderTimeout   | not enforced                | gunicorn has no header/body read deadline; gthread only waits 5 s for a new connection's first bytes before parking it in the poller, so an idle client holds no thread, but one that stalls mid-request holds one thread |
-| readTimeout         | not enforced                | as above |
+| maxHitRateBodyBytes | the worker, the app         | bodies over it are not buffered; :func:`services.api.hit_rate.read_body`: Content-Length check (413 unread), capped chunked read |
+| maxCandidates       | the app                     | :func:`services.api.hit_rate.parse_request`: more distinct ``server_ip`` values, or more than maxCandidates × 4096 candidate-blocks → 400 |
 
-Durations are rounded up to whole seconds (gunicorn takes integers). The hooks run the
+gunicorn's own durations are rounded up to whole seconds (it takes integers); the worker's
+deadlines are exact. The hooks run the
 cross-worker metrics (prometheus_client's multiprocess mode, :mod:`services.api.api_metrics`):
 the master creates an empty directory and exports ``PROMETHEUS_MULTIPROC_DIR`` before forking
 (``on_starting``), marks a dead worker dead (``child_exit``: its live gauges go, its counts
@@ -35,6 +39,8 @@ from gunicorn import glogging
 
 from common.config import Config, parse_listen_addr
 from services.api import api_metrics
+from services.api.deadlines import Limits
+from services.api.worker import DeadlineWorker
 
 GUNICORN_MAX_LINE = 8190
 """gunicorn refuses larger ``limit_request_line`` / ``limit_request_field_size`` values."""
@@ -58,9 +64,9 @@ def gunicorn_settings(config: Config, workers: int | None = None,
     return {
         "bind": [bind_address(bind or http.addr)],
         "workers": workers or http.workers,
-        "worker_class": "gthread",
+        "worker_class": worker_class(config),
         "threads": http.threads,
-        "timeout": _seconds(http.write_timeout),
+        "timeout": _seconds(max(http.write_timeout, 30)),  # a wedged worker
         "graceful_timeout": _seconds(http.shutdown_timeout),
         "keepalive": _seconds(http.idle_timeout),
         "limit_request_line": line,
@@ -76,6 +82,14 @@ def gunicorn_settings(config: Config, workers: int | None = None,
         "worker_exit": worker_exit,
         "on_exit": on_exit,
     }
+
+
+def worker_class(config: Config) -> type[DeadlineWorker]:
+    """:class:`DeadlineWorker` carrying this config's limits (a class: gunicorn builds it)."""
+    http = config.http
+    limits = Limits.from_go(http.read_header_timeout, http.read_timeout, http.write_timeout,
+                            http.idle_timeout, http.max_hit_rate_body_bytes)
+    return type("ApiWorker", (DeadlineWorker,), {"limits": limits})
 
 
 class RootLogger(glogging.Logger):  # type: ignore[misc]

@@ -8,6 +8,10 @@ run of the prompt's blocks, from block 0, that the instance holds in a tier, div
 :class:`~common.errors.RequestError` whose status is both the HTTP status and the body's
 ``status``; :mod:`services.api.app` renders it.
 
+At most ``http.maxCandidates`` distinct ``server_ip`` values are accepted (a repeated ip is
+read once), checked before any hashing or Redis work, so one request's Redis reads
+are at most 2 × maxCandidates SMISMEMBER commands, and the distinct candidates × full blocks
+at most maxCandidates × 4,096 (a 400 otherwise, also before any work).
 The body is never read past ``http.maxHitRateBodyBytes``: a larger ``Content-Length`` is
 refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
@@ -18,6 +22,7 @@ for the partial tail block too); anything else is a 400, as vLLM would refuse th
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +41,9 @@ _READ_CHUNK = 64 * 1024
 _TOP_FIELDS = ("server_ip", "body")
 _BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
 _BODY_REQUIRED = ("token_ids", "block_size")
+DEFAULT_MAX_CANDIDATES = 1024
+LOOKUPS_PER_CANDIDATE = 4096
+"""Full blocks per distinct candidate that one request may have looked up, on average."""
 UNREACHABLE = "the hit rate could not be computed: the state store is unreachable"
 
 
@@ -74,8 +82,9 @@ def read_body(req: falcon.Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parse_request(raw: bytes) -> HitRateRequest:
-    """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid."""
+def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> HitRateRequest:
+    """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid,
+    including more than ``max_candidates`` distinct ``server_ip`` values."""
     if not raw.strip():
         raise _bad("the request body is empty")
     try:
@@ -91,6 +100,9 @@ def parse_request(raw: bytes) -> HitRateRequest:
     for i, ip in enumerate(ips):
         if not isinstance(ip, str):
             raise _bad(f"server_ip[{i}] must be a string, got {_kind(ip)}")
+    if len(ips) > max_candidates and len(set(ips)) > max_candidates:
+        raise _bad(f"server_ip names {len(set(ips))} distinct instances, more than the limit "
+                   f"of {max_candidates} (http.maxCandidates)")
     body = _fields(top["body"], "body.", _BODY_FIELDS, _BODY_REQUIRED)
     block_size = body["block_size"]
     if type(block_size) is not int:
@@ -100,7 +112,23 @@ def parse_request(raw: bytes) -> HitRateRequest:
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    return HitRateRequest(ips, _token_ids(body["token_ids"]), block_size, salt or None)
+    request = HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    _check_lookups(request, max_candidates)
+    return request
+
+
+def _check_lookups(request: HitRateRequest, max_candidates: int) -> None:
+    """Bound one request's Redis work: distinct candidates × full blocks (set look-ups per
+    tier) at most ``max_candidates × LOOKUPS_PER_CANDIDATE``; a tiny block size over a long
+    prompt would otherwise ask Redis for billions of look-ups."""
+    blocks = len(request.token_ids) // request.block_size
+    limit = max_candidates * LOOKUPS_PER_CANDIDATE
+    if blocks * len(request.server_ips) > limit:  # cheap bound first: duplicates cost nothing
+        distinct = len(set(request.server_ips))
+        if blocks * distinct > limit:
+            raise _bad(f"the request needs {blocks * distinct} block look-ups per tier "
+                       f"({distinct} instances × {blocks} blocks), more than the limit of "
+                       f"{limit} (http.maxCandidates × {LOOKUPS_PER_CANDIDATE})")
 
 
 def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
@@ -117,17 +145,33 @@ def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
     return doc
 
 
-def _token_ids(ids: Any) -> list[int]:
+def _token_ids(ids: Any, raw: bytes) -> list[int]:
     """JSON integers only (no ``true``, no ``1.0``); the range is the hasher's to check."""
     if not isinstance(ids, list):
         raise _bad(f"body.token_ids must be a list of integers, got {_kind(ids)}")
-    # One pass in C for the common all-int case; the loop below only names the culprit.
-    if not ids or set(map(type, ids)) == {int}:
+    if not ids or _all_plain_ints(ids, raw):
         return ids
+    # The loop below only names the culprit (or finds none: ints the hasher range-checks).
     for i, t in enumerate(ids):
         if type(t) is not int:
             raise _bad(f"body.token_ids[{i}] must be a non-negative integer, got {t!r}")
-    raise AssertionError("unreachable")  # pragma: no cover
+    return ids
+
+
+def _all_plain_ints(ids: list[Any], raw: bytes) -> bool:
+    """True if every id is an int (not a bool), in C passes over the list and the body.
+
+    ``array("Q", …)`` takes exactly the ints and bools in ``[0, 2**64)``; a body without
+    ``true``/``false`` anywhere holds no bool. Otherwise (negative ids, a ``"true"`` in a
+    string) the exact type check decides.
+    """
+    try:
+        array("Q", ids)
+    except (TypeError, OverflowError):
+        return False
+    if b"true" not in raw and b"false" not in raw:
+        return True
+    return set(map(type, ids)) == {int}
 
 
 def _kind(value: Any) -> str:
@@ -169,12 +213,13 @@ def error_document(status: int, message: str) -> bytes:
 class HitRateResource:
     """``/kv-cache/hit-rate``; other methods are refused by :class:`PostOnly`."""
 
-    def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int) -> None:
+    def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int,
+                 max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
-        self.body_limit = body_limit
+        self.body_limit, self.max_candidates = body_limit, max_candidates
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = parse_request(read_body(req, self.body_limit))
+        request = parse_request(read_body(req, self.body_limit), self.max_candidates)
         scores = score(request, self.store, self.hasher, self.metrics)
         resp.content_type = falcon.MEDIA_JSON
         resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})

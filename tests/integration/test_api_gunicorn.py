@@ -27,22 +27,26 @@ BS = 128
 LIMIT = 65536
 SHUTDOWN = 5
 IP = "10.1.0.7"
+MAX_CANDIDATES = 8
 
 
 class Api:
     """One ``python -m services.cli api`` process that this test started."""
 
-    def __init__(self, tmp: Path, redis_url: str) -> None:
+    def __init__(self, tmp: Path, redis_url: str, http_extra: str = "",
+                 log_level: str = "info") -> None:
         self.port = free_port()
+        self.log_path = tmp / "api.log"
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / "config.yaml"
         config.write_text(
             f'http:\n  addr: "127.0.0.1:{self.port}"\n  shutdownTimeout: {SHUTDOWN}s\n'
             f"  maxHitRateBodyBytes: {LIMIT}\n  workers: 2\n  threads: 4\n"
+            f"  maxCandidates: {MAX_CANDIDATES}\n{http_extra}log:\n  level: {log_level}\n"
             f"redis:\n  url: {redis_url}\n  socketTimeout: 1s\n  connectTimeout: 1s\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
         env["PYTHONPATH"] = str(ROOT)
-        self.log = (tmp / "api.log").open("wb")
+        self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "api", "--config", str(config)],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -113,6 +117,17 @@ def test_error_statuses_over_http(api: Api) -> None:
     assert (resp.status_code, resp.json()["status"]) == (413, 413)
     resp = httpx.get(f"{api.url}/no/such/path")
     assert (resp.status_code, resp.json()["status"]) == (404, 404)
+
+
+def test_candidate_limit_over_http(api: Api) -> None:
+    ips = [f"10.2.0.{i}" for i in range(MAX_CANDIDATES + 1)]
+    resp = _hit_rate(api, list(range(BS)), ips[:MAX_CANDIDATES] * 3)
+    assert resp.status_code == 200 and len(resp.json()["server_score_list"]) == 3 * MAX_CANDIDATES
+    resp = _hit_rate(api, list(range(BS)), ips)
+    assert resp.status_code == 400
+    assert resp.json() == {"server_score_list": [], "status": 400, "message": (
+        f"server_ip names {MAX_CANDIDATES + 1} distinct instances, more than the limit of "
+        f"{MAX_CANDIDATES} (http.maxCandidates)")}
 
 
 def _healthz_405s(api: Api) -> int:

@@ -42,9 +42,11 @@ def _populate(store: Store, ip: str, l1: list[int], l3: list[int]) -> None:
 
 
 def _client(store: Store, hasher: BlockHasher, limit: int = 4194304,
-            metrics: ApiMetrics | None = None) -> falcon.testing.TestClient:
+            metrics: ApiMetrics | None = None,
+            max_candidates: int = 1024) -> falcon.testing.TestClient:
     config = Config()
     config.http.max_hit_rate_body_bytes = limit
+    config.http.max_candidates = max_candidates
     return falcon.testing.TestClient(create_app(config, store, hasher, metrics or ApiMetrics()))
 
 
@@ -172,6 +174,50 @@ def test_bad_requests_are_400_in_the_contract_shape(
     doc = result.json
     assert doc["status"] == 400 and doc["server_score_list"] == []
     assert message in doc["message"] and "\n" not in doc["message"]
+
+
+class _CountingHasher:
+    def __init__(self, inner: BlockHasher) -> None:
+        self.inner, self.calls = inner, 0
+
+    def member_keys(self, token_ids: list[int], block_size: int,
+                    cache_salt: str | None = None) -> list[bytes]:
+        self.calls += 1
+        return self.inner.member_keys(token_ids, block_size, cache_salt)
+
+
+def test_more_distinct_candidates_than_max_candidates_is_400_before_any_work(
+        dead_store: Store, redis_client: redis.Redis, hasher: BlockHasher) -> None:
+    limit = 5
+    ips = [f"10.0.1.{i}" for i in range(limit + 1)]
+    counting = _CountingHasher(hasher)
+    result = _ask(_client(dead_store, counting, max_candidates=limit), ips, PROMPT)  # type: ignore[arg-type]
+    assert result.status_code == 400
+    assert result.json == {"server_score_list": [], "status": 400, "message": (
+        f"server_ip names {limit + 1} distinct instances, more than the limit of {limit} "
+        "(http.maxCandidates)")}
+    assert counting.calls == 0  # refused before hashing (and the dead Redis was not asked)
+    client = _client(Store(redis_client), hasher, max_candidates=limit)
+    assert len(_ratios(_ask(client, ips[:limit], PROMPT))) == limit
+    # Duplicates cost no extra read: limit distinct ips named many times are accepted.
+    assert len(_ratios(_ask(client, ips[:limit] * 20, PROMPT))) == limit * 20
+
+
+def test_block_lookups_past_max_candidates_times_4096_are_400_before_any_work(
+        dead_store: Store, redis_client: redis.Redis, hasher: BlockHasher) -> None:
+    counting = _CountingHasher(hasher)
+    tokens = list(range(4096 + 1))
+    doc = {"server_ip": [A, B, A], "body": {"token_ids": tokens, "block_size": 1}}
+    result = _client(dead_store, counting, max_candidates=2).simulate_post(  # type: ignore[arg-type]
+        PATH, body=orjson.dumps(doc))
+    assert result.status_code == 400 and counting.calls == 0
+    assert result.json["message"] == (
+        "the request needs 8194 block look-ups per tier (2 instances × 4097 blocks), more "
+        "than the limit of 8192 (http.maxCandidates × 4096)")
+    doc["body"]["token_ids"] = tokens[:4096]  # type: ignore[index]
+    result = _client(Store(redis_client), hasher, max_candidates=2).simulate_post(
+        PATH, body=orjson.dumps(doc))
+    assert _ratios(result) == [(A, 0.0, 0.0), (B, 0.0, 0.0), (A, 0.0, 0.0)]
 
 
 def test_largest_token_id_is_accepted(redis_client: redis.Redis, hasher: BlockHasher) -> None:

@@ -178,6 +178,19 @@ def test_prefix_lengths_one_round_trip_semantics(store: Store) -> None:
     assert store.prefix_lengths([IP], []) == [(0, 0)]
 
 
+def test_prefix_lengths_of_many_candidates_written_in_several_pieces(store: Store) -> None:
+    """~48 KiB of members per command: 60 candidates × 2 tiers are written in 3 pieces."""
+    members = [b"%d" % (10**18 + i) for i in range(2000)]
+    ips = [f"10.3.0.{i}" for i in range(60)]
+    for i, ip in enumerate(ips):
+        gen = _register(store, ip=ip, uid=f"u{i}")
+        store.apply_batch(ip, gen, 0, 0, _ops(("S", "l1", [int(m) for m in members[:i * 30]])))
+        store.replace_l3(ip, [int(m) for m in members[: 2000 - i]])
+    got = store.prefix_lengths(ips + ips[:3], members)
+    expected = [(i * 30, 2000 - i) for i in range(60)]
+    assert got == expected + expected[:3]
+
+
 def test_leases_and_ingester_heartbeats(store: Store) -> None:
     assert store.claim_discovery_lease("d1", 10_000)
     assert not store.claim_discovery_lease("d2", 10_000)
