@@ -47,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 
 from common import keys
 from common.blockhash import BlockHasher
-from common.config import Config
+from common.config import Redis
+from common.settings import ApiSettings
 from common.store import Instance, Store, TierOps
 from services.api import hit_rate
 from services.api.api_metrics import ApiMetrics
-from services.api.app import hash_settings
 
 BLOCK = 128
 NOISE = 20_000  # unrelated block hashes per instance and tier
@@ -78,10 +78,9 @@ def api_without_hashing_app() -> Any:
     """The real API app (gunicorn entry point) over a :class:`Precomputed` hasher."""
     from services.api.app import create_app, redis_client
 
-    config = Config()
-    config.redis.url = os.environ["BENCH_API_REDIS"]
-    config.http.max_hit_rate_body_bytes = 8388608
-    return create_app(config, Store(redis_client(config)), Precomputed(_members()),
+    settings = ApiSettings(max_hit_rate_body_bytes=8388608)
+    redis_cfg = Redis(url=os.environ["BENCH_API_REDIS"])
+    return create_app(settings, Store(redis_client(redis_cfg)), Precomputed(_members()),
                       ApiMetrics())
 
 
@@ -243,8 +242,7 @@ def _cpu_per_request(body: bytes, store: Store, hasher: BlockHasher, repeat: int
 
     from services.api.app import create_app
 
-    config = Config()
-    apps = [("API", create_app(config, store, hasher, ApiMetrics()), hit_rate.PATH),
+    apps = [("API", create_app(ApiSettings(), store, hasher, ApiMetrics()), hit_rate.PATH),
             ("API, hashing taken out", api_without_hashing_app(), hit_rate.PATH),
             ("trivial app (/trivial)", baseline_app(), "/trivial"),
             ("floor (/floor)", baseline_app(), "/floor")]
@@ -379,7 +377,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
     servers = Servers(tmp, args.workers)
     try:
-        store, hasher = Store(servers.client), BlockHasher(hash_settings(Config()))
+        store, hasher = Store(servers.client), BlockHasher(ApiSettings().hash)
         small, _, _, small_members = _prompt(hasher, store, 4096, 8, 41)
         large, _, large_prompt, large_members = _prompt(hasher, store, 131072, 16, 42)
         http = servers.start_http({4096: small_members, 131072: large_members})

@@ -69,10 +69,9 @@ def main() -> int:
     servers = Servers(tmp, 2)
     try:
         from common.blockhash import BlockHasher
-        from common.config import Config
+        from common.settings import ApiSettings
         from common.store import Store
-        from services.api.app import hash_settings
-        body = _prompt(BlockHasher(hash_settings(Config())), Store(servers.client), 4096, 8,
+        body = _prompt(BlockHasher(ApiSettings().hash), Store(servers.client), 4096, 8,
                        43)[0]
         config = tmp / "config.yaml"
         config.write_text(f"log:\n  level: error\nredis:\n  url: "

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from common.config import IngestL3
+from common.settings import L3PollerSettings
 from services.l3_poller.client import MasterClient, MasterError
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.poller import MasterPoller
@@ -85,7 +85,7 @@ def _measure(urls: dict[str, str], n_keys: int, rounds: int) -> dict[str, Any]:
     try:
         store = Store(redis.Redis.from_url(server.url))
         metrics = PollerMetrics.register()
-        cfg = IngestL3(http_timeout=60.0, poll_interval=60.0)  # type: ignore[arg-type]
+        cfg = L3PollerSettings(http_timeout=60.0, poll_interval=60.0)
         pollers = {}
         out: dict[str, Any] = {"keys": n_keys}
         for family, url in urls.items():

@@ -49,7 +49,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.config import IngestL3  # noqa: E402
+from common.settings import L3PollerSettings  # noqa: E402
 from common.store import Instance, Store  # noqa: E402
 from services.l3_poller.client import MasterClient, parse_batch_body  # noqa: E402
 from services.l3_poller.keys_parser import parse_key  # noqa: E402
@@ -140,7 +140,7 @@ def real_master(n_keys: int) -> dict[str, Any]:
             store.upsert_instance(Instance(ip=ip, uid=ip))
         metrics = PollerMetrics.register()
         writer = L3Writer(store, "segment", metrics)
-        cfg = IngestL3(http_timeout=60.0, poll_interval=60.0)  # type: ignore[arg-type]
+        cfg = L3PollerSettings(http_timeout=60.0, poll_interval=60.0)
         poller = MasterPoller(url, cfg, MasterClient(url, 60.0, 60.0), writer, metrics,
                               threading.Event())
         writer.enroll(url, poller)
@@ -189,7 +189,7 @@ class Bench:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.server.stdout is not None
         self.url = self.server.stdout.readline().strip()
-        self.cfg = IngestL3(http_timeout=60.0, poll_interval=60.0)  # type: ignore[arg-type]
+        self.cfg = L3PollerSettings(http_timeout=60.0, poll_interval=60.0)
         self.metrics = PollerMetrics.register()
         self.writer = L3Writer(self.store, "segment", self.metrics)
         self.out: dict[str, Any] = {"keys": n_keys}

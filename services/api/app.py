@@ -1,8 +1,9 @@
 """The API's Falcon app: routes, error rendering, request metrics; built once per worker.
 
-:func:`create_app` takes every dependency (config, store, hasher, metrics) so tests can pass
-their own; :func:`get_app` / :func:`build_app` make the real ones from the config in a
-gunicorn worker, after the fork (a Redis connection pool must not cross a fork).
+:func:`create_app` takes every dependency (settings, store, hasher, metrics) so tests can pass
+their own; :func:`get_app` / :func:`build_app` make the real ones from the API's settings
+(:class:`common.settings.ApiSettings`) in a gunicorn worker, after the fork (a Redis
+connection pool must not cross a fork).
 
 Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET /healthz``
 (liveness: answers while the process serves), ``GET /readyz`` (Redis PING; 503 with a
@@ -22,10 +23,11 @@ import falcon
 import orjson
 import redis
 
-from common.blockhash import BlockHasher, HashSettings
-from common.config import Config, config_path_from, load_config
+from common.blockhash import BlockHasher
+from common.config import Redis, config_path_from, load_config
 from common.errors import RequestError
 from common.redis_client import Client, connect
+from common.settings import ApiSettings
 from common.store import Store
 from services.api import hit_rate
 from services.api import api_metrics
@@ -123,13 +125,13 @@ def _unexpected_error(req: falcon.Request, resp: falcon.Response, exc: Exception
     resp.data = _error_body(req, 500, "the request could not be processed: internal error")
 
 
-def create_app(config: Config, store: Store, hasher: hit_rate.Hasher,
+def create_app(settings: ApiSettings, store: Store, hasher: hit_rate.Hasher,
                metrics: ApiMetrics) -> App:
     """The WSGI app over injected dependencies."""
     middleware: list[Any] = [_RequestMetrics(metrics), hit_rate.PostOnly()]
     app: App = falcon.App(middleware=middleware)
     app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
-        store, hasher, metrics, config.http.max_hit_rate_body_bytes, config.http.max_candidates))
+        store, hasher, metrics, settings.max_hit_rate_body_bytes, settings.max_candidates))
     app.add_route("/healthz", _Health())
     app.add_route("/readyz", _Ready(store, metrics))
     app.add_route("/metrics", _Metrics(metrics))
@@ -139,26 +141,18 @@ def create_app(config: Config, store: Store, hasher: hit_rate.Hasher,
     return app
 
 
-def redis_client(config: Config) -> Client:
+def redis_client(redis_cfg: Redis) -> Client:
     """A pooled client with bounded timeouts and one quick retry (a stale pooled socket
     after a Redis restart), so a request fails fast instead of backing off for seconds."""
-    return connect(config.redis, retries=1)
+    return connect(redis_cfg, retries=1)
 
 
-def hash_settings(config: Config) -> HashSettings:
-    """The block-hash settings from ``blockKey``; raises ConfigError. (Building a
-    BlockHasher from them can raise it too, e.g. for an unset seed before vLLM 0.29.)"""
-    bk = config.block_key
-    return HashSettings.from_strings(
-        bk.prefix_caching_hash_algo, bk.python_hash_seed, bk.vllm_version)
-
-
-def build_app(config: Config) -> App:
-    """Real dependencies from ``config``; metrics shared through the gunicorn master's dir."""
-    hasher = BlockHasher(hash_settings(config))
+def build_app(settings: ApiSettings, redis_cfg: Redis) -> App:
+    """Real dependencies; metrics shared through the gunicorn master's dir."""
+    hasher = BlockHasher(settings.hash)
     hasher.member_keys(list(range(16)), 16)  # builds its lazy tables before the first request
     metrics = api_metrics.from_environment()
-    return create_app(config, Store(redis_client(config)), hasher, metrics)
+    return create_app(settings, Store(redis_client(redis_cfg)), hasher, metrics)
 
 
 def get_app() -> App:
@@ -166,4 +160,5 @@ def get_app() -> App:
     ``CACHE_INDEXER_CONFIG`` (defaults when unset). Without the hooks of
     :mod:`services.api.gunicorn_conf`, ``/metrics`` then shows only the answering worker,
     unless gunicorn is started with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory."""
-    return build_app(load_config(config_path_from(None)))
+    cfg = load_config(config_path_from(None))
+    return build_app(ApiSettings.from_config(cfg), cfg.redis)

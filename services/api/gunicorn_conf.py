@@ -37,7 +37,8 @@ from typing import Any
 
 from gunicorn import glogging
 
-from common.config import Config, parse_listen_addr
+from common.config import parse_listen_addr
+from common.settings import ApiSettings
 from services.api import api_metrics
 from services.api.deadlines import Limits
 from services.api.worker import DeadlineWorker
@@ -56,22 +57,21 @@ def bind_address(addr: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def gunicorn_settings(config: Config, workers: int | None = None,
+def gunicorn_settings(http: ApiSettings, workers: int | None = None,
                       bind: str | None = None) -> dict[str, Any]:
     """Every gunicorn setting the API uses (see the module docstring for the mapping)."""
-    http = config.http
     line = min(http.max_header_bytes, GUNICORN_MAX_LINE)
     return {
         "bind": [bind_address(bind or http.addr)],
         "workers": workers or http.workers,
-        "worker_class": worker_class(config),
+        "worker_class": worker_class(http),
         "threads": http.threads,
         "timeout": _seconds(max(http.write_timeout, 30)),  # a wedged worker
         "graceful_timeout": _seconds(http.shutdown_timeout),
         "keepalive": _seconds(http.idle_timeout),
         "limit_request_line": line,
         "limit_request_field_size": line,
-        "loglevel": "warning" if config.log.level == "warn" else config.log.level,
+        "loglevel": "warning" if http.log_level == "warn" else http.log_level,
         "accesslog": None,
         "errorlog": "-",
         "logger_class": RootLogger,
@@ -84,9 +84,8 @@ def gunicorn_settings(config: Config, workers: int | None = None,
     }
 
 
-def worker_class(config: Config) -> type[DeadlineWorker]:
-    """:class:`DeadlineWorker` carrying this config's limits (a class: gunicorn builds it)."""
-    http = config.http
+def worker_class(http: ApiSettings) -> type[DeadlineWorker]:
+    """:class:`DeadlineWorker` carrying these limits (a class: gunicorn builds it)."""
     limits = Limits.from_go(http.read_header_timeout, http.read_timeout, http.write_timeout,
                             http.idle_timeout, http.max_hit_rate_body_bytes)
     return type("ApiWorker", (DeadlineWorker,), {"limits": limits})

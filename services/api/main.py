@@ -1,30 +1,35 @@
 """``cache-indexer api --config FILE [--workers N] [--bind HOST:PORT]``: the API under gunicorn.
 
 The config (and the block-hash settings it implies) is validated here, in the master, so a
-bad file exits with status 2 before any worker starts. gunicorn then runs in-process
-(:class:`gunicorn.app.base.BaseApplication`); each worker builds its app after the fork
-(:func:`services.api.app.build_app`). SIGTERM stops gracefully within ``http.shutdownTimeout``.
+bad file exits with status 2 before any worker starts (:func:`common.shell.start`: flags,
+config, :class:`common.settings.ApiSettings`, logging). gunicorn then runs in-process
+(:class:`gunicorn.app.base.BaseApplication`) and owns signals; each worker builds its app
+and its Redis client after the fork (:func:`services.api.app.build_app`). SIGTERM stops
+gracefully within ``http.shutdownTimeout``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+from dataclasses import dataclass
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from common import shell
 from common.blockhash import BlockHasher
-from common.config import Config, config_path_from, load_config
+from common.config import Config, Redis
 from common.errors import ConfigError
-from common.logs import configure
-from services.api.app import App, build_app, hash_settings
+from common.settings import ApiSettings
+from services.api.app import App, build_app
 from services.api.gunicorn_conf import gunicorn_settings
+
+_PROG = "cache-indexer api"
 
 
 class _Server(BaseApplication):  # type: ignore[misc]
-    def __init__(self, config: Config, settings: dict[str, Any]) -> None:
-        self.config, self.settings = config, settings
+    def __init__(self, api: ApiSettings, redis_cfg: Redis, settings: dict[str, Any]) -> None:
+        self.api, self.redis_cfg, self.settings = api, redis_cfg, settings
         super().__init__()
 
     def do_load_config(self) -> None:
@@ -41,30 +46,34 @@ class _Server(BaseApplication):  # type: ignore[misc]
                 self.cfg.set(name, value)
 
     def load(self) -> App:
-        return build_app(self.config)
+        return build_app(self.api, self.redis_cfg)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="cache-indexer api", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="config file (default: $CACHE_INDEXER_CONFIG)")
-    parser.add_argument("--workers", type=int, help="worker processes (default: http.workers)")
-    parser.add_argument("--bind", help="HOST:PORT to listen on (default: http.addr)")
-    return parser.parse_args(argv)
+@dataclass(frozen=True)
+class _Setup:
+    api: ApiSettings
+    gunicorn: dict[str, Any]
+
+
+def _settings(cfg: Config, args: argparse.Namespace) -> _Setup:
+    api = ApiSettings.from_config(cfg)
+    BlockHasher(api.hash)  # e.g. an unset seed that vLLM would randomize
+    if args.workers is not None and args.workers <= 0:
+        raise ConfigError(f"--workers: must be > 0, got {args.workers}")
+    return _Setup(api, gunicorn_settings(api, args.workers, args.bind))
 
 
 def main(argv: list[str]) -> int:
-    args = _parse(argv)
+    p = shell.parser(_PROG, __doc__.splitlines()[0], metrics_port=False)
+    p.add_argument("--workers", type=int, help="worker processes (default: http.workers)")
+    p.add_argument("--bind", help="HOST:PORT to listen on (default: http.addr)")
     try:
-        config = load_config(config_path_from(args.config))
-        BlockHasher(hash_settings(config))  # e.g. an unset seed that vLLM would randomize
-        if args.workers is not None and args.workers <= 0:
-            raise ConfigError(f"--workers: must be > 0, got {args.workers}")
-        settings = gunicorn_settings(config, args.workers, args.bind)
-        configure(config.log.level, config.log.format)
-        server = _Server(config, settings)
+        boot = shell.start(p, argv, _settings)
+        server = _Server(boot.settings.api, boot.process.redis, boot.settings.gunicorn)
+    except shell.ExitStatus as exc:
+        return exc.code
     except ConfigError as exc:
-        print(f"cache-indexer api: {exc}", file=sys.stderr)
-        return 2
+        return shell.config_failure(_PROG, exc).code
     try:
         server.run()
     except SystemExit as exc:  # the arbiter exits through sys.exit

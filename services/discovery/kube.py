@@ -37,9 +37,9 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from common.config import Config, Discovery
 from common.errors import ConfigError
 from common.lifecycle import Backoff, StateLog
+from common.settings import DiscoverySettings
 from services.discovery import pods as podrules
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Desired
@@ -53,7 +53,7 @@ _MIN_WATCH = 1.0
 """A watch that ends sooner than this (seconds) without an error is reopened after a backoff."""
 
 
-def connect(d: Discovery, env: Mapping[str, str],
+def connect(d: DiscoverySettings, env: Mapping[str, str],
             sa_dir: Path = SERVICE_ACCOUNT_DIR) -> tuple[client.ApiClient, str]:
     """An API client and the namespace to watch.
 
@@ -259,16 +259,15 @@ def _short(exc: BaseException) -> str:
 class KubeSource:
     """The vLLM and Mooncake master pod caches of one namespace, as a :class:`Desired`."""
 
-    def __init__(self, api_client: client.ApiClient, namespace: str, cfg: Config,
+    def __init__(self, api_client: client.ApiClient, namespace: str, d: DiscoverySettings,
                  metrics: DiscoveryMetrics) -> None:
         self.changed = threading.Event()
-        self._d, self._scheme = cfg.discovery, cfg.ingest.l3.scheme
+        self._d = d
         api = client.CoreV1Api(api_client)
-        l1 = cfg.ingest.l1
 
         def watcher(name: str, selector: str) -> PodWatcher:
-            return PodWatcher(name, api, namespace, selector, self._d.refresh_interval,
-                              Backoff(l1.backoff_initial, l1.backoff_max), metrics,
+            return PodWatcher(name, api, namespace, selector, d.refresh_interval,
+                              Backoff(d.backoff_initial, d.backoff_max), metrics,
                               self.changed.set)
 
         self.vllm = watcher("vllm", podrules.vllm_selector(self._d.labels))
@@ -283,7 +282,7 @@ class KubeSource:
         instances = (podrules.desired_instances(self.vllm.pods(), d.labels, d.vllm)
                      if self.vllm.synced else None)
         masters = (podrules.desired_masters(self.masters.pods(), d.labels, d.mooncake_master,
-                                            self._scheme) if self.masters.synced else None)
+                                            d.master_scheme) if self.masters.synced else None)
         return Desired(instances=instances, masters=masters)
 
     def close(self) -> None:

@@ -27,8 +27,9 @@ import logging
 import threading
 from urllib.parse import urlsplit
 
-from common.config import Config, Static, load_config
+from common.config import Static, load_config
 from common.errors import ConfigError
+from common.settings import DiscoverySettings
 from common.store import Instance
 from services.discovery.endpoints import endpoint_problem
 from services.discovery.metrics import DiscoveryMetrics
@@ -99,11 +100,11 @@ def _host(url: str) -> str | None:
 class StaticSource:
     """The static lists, reloaded from ``path`` (None: never reloaded) by a poller thread."""
 
-    def __init__(self, path: str | None, cfg: Config, metrics: DiscoveryMetrics,
+    def __init__(self, path: str | None, d: DiscoverySettings, metrics: DiscoveryMetrics,
                  poll_interval: float = 1.0) -> None:
         self.changed = threading.Event()
         self._path, self._metrics, self._poll = path, metrics, poll_interval
-        self._desired = desired_from(cfg.discovery.static)  # bad entries: exit 2 at startup
+        self._desired = desired_from(d.static)  # bad entries: exit 2 at startup
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -144,11 +145,11 @@ class StaticSource:
             return False
         self._digest, self._pending = digest, ""
         try:
-            cfg = load_config(self._path)
-            if cfg.discovery.mode != "static":
-                raise ConfigError(f"discovery.mode is {cfg.discovery.mode!r}, not 'static' "
+            d = DiscoverySettings.from_config(load_config(self._path))
+            if d.mode != "static":
+                raise ConfigError(f"discovery.mode is {d.mode!r}, not 'static' "
                                   "(changing the mode needs a restart)")
-            desired = desired_from(cfg.discovery.static)
+            desired = desired_from(d.static)
         except ConfigError as exc:
             logger.error("static discovery: %s changed but is invalid, keeping the last good "
                          "lists: %s", self._path, exc)

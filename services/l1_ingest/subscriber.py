@@ -33,9 +33,9 @@ import redis
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.config import IngestL1
 from common.health import Health
 from common.lifecycle import Backoff, StateLog
+from common.settings import L1IngestSettings
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.stream import RankStream, rank_endpoint
@@ -72,8 +72,8 @@ def _same(a: Instance, b: Instance) -> bool:
 class Subscriber:
     """All subscriptions of one ingester process; :meth:`run` is its thread."""
 
-    def __init__(self, store: Store, cfg: IngestL1, metrics: IngestMetrics, *, owner: str = "",
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    def __init__(self, store: Store, cfg: L1IngestSettings, metrics: IngestMetrics, *,
+                 owner: str = "", ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  health: Health | None = None) -> None:
         self.store, self.cfg, self.metrics, self.owner = store, cfg, metrics, owner
         self._beat = (health or Health()).heartbeat("subscriber loop")

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import redis
 
-from common.config import IngestL3
 from common.health import Health, Heartbeat
 from common.lifecycle import Backoff, StateLog
+from common.settings import L3PollerSettings
 from common.store import Store
 from services.l3_poller.client import (
     MAX_URL_BYTES,
@@ -85,7 +85,7 @@ class _Pending:
 class MasterPoller:
     """Polls one master until ``stop`` is set; publishes every good poll to the writer."""
 
-    def __init__(self, url: str, cfg: IngestL3, client: MasterClient, writer: L3Writer,
+    def __init__(self, url: str, cfg: L3PollerSettings, client: MasterClient, writer: L3Writer,
                  metrics: PollerMetrics, stop: threading.Event,
                  beat: Heartbeat | None = None) -> None:
         self.url, self.cfg, self.client, self.writer = url, cfg, client, writer
@@ -247,7 +247,7 @@ class MasterPoller:
 class L3Poller:
     """Follows the master registry; one :class:`MasterPoller` thread per master URL."""
 
-    def __init__(self, cfg: IngestL3, segments_timeout: float, store: Store,
+    def __init__(self, cfg: L3PollerSettings, store: Store,
                  metrics: PollerMetrics, client_factory: ClientFactory | None = None,
                  health: Health | None = None) -> None:
         self.cfg, self.store, self.metrics = cfg, store, metrics
@@ -255,7 +255,7 @@ class L3Poller:
         self._ready = self.health.condition("redis")
         self.writer = L3Writer(store, cfg.scope, metrics)
         self._factory = client_factory or (
-            lambda url: MasterClient(url, cfg.http_timeout, segments_timeout))
+            lambda url: MasterClient(url, cfg.http_timeout, cfg.segments_timeout))
         self.pollers: dict[str, tuple[MasterPoller, threading.Thread]] = {}
         self._log = StateLog(logger, "master registry")
 

@@ -16,7 +16,8 @@ import redis
 import yaml
 import zmq
 
-from common.config import IngestL1, parse_duration
+from common.config import parse_duration
+from common.settings import L1IngestSettings
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.sharding import StaticAssigner, run_assignment
@@ -54,12 +55,12 @@ def free_ports(n: int = 1) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def l1_config(**overrides: str) -> IngestL1:
+def l1_config(**overrides: str) -> L1IngestSettings:
     raw = {**FAST, **overrides}
-    return IngestL1(
+    return L1IngestSettings(
         backoff_initial=parse_duration(raw["backoffInitial"]),
         backoff_max=parse_duration(raw["backoffMax"]), topic=raw["topic"],
-        on_unrecoverable_gap=raw.get("onUnrecoverableGap", "keep"),
+        on_unrecoverable_gap=raw.get("onUnrecoverableGap", "keep"),  # type: ignore[arg-type]
         lease_ttl=parse_duration(raw["leaseTTL"]),
         heartbeat_interval=parse_duration(raw["heartbeatInterval"]),
         replay_timeout=parse_duration(raw["replayTimeout"]))

@@ -16,9 +16,8 @@ import pytest
 import redis
 
 from common.blockhash import BlockHasher
-from common.config import Config
+from common.settings import ApiSettings
 from common.store import Instance, Store, TierOps
-from services.api.app import hash_settings
 from services.api.hit_rate import UNREACHABLE
 from tests.conftest import ROOT, RedisServer, free_port, wait_for
 
@@ -86,7 +85,7 @@ def _hit_rate(api: Api, tokens: list[int], ips: list[str]) -> httpx.Response:
 
 def test_hit_rate_over_http(api: Api, redis_srv: RedisServer) -> None:
     tokens = [(i * 7919) % 150_000 for i in range(10 * BS + 5)]
-    members = [int(m) for m in BlockHasher(hash_settings(Config())).member_keys(
+    members = [int(m) for m in BlockHasher(ApiSettings().hash).member_keys(
         tokens[: 10 * BS], BS)]
     store = Store(redis.Redis.from_url(redis_srv.url))
     _, gen = store.upsert_instance(Instance(ip=IP, uid="pod-uid"))

@@ -13,6 +13,7 @@ import yaml
 
 from common.config import Config, load_config
 from common.lifecycle import Backoff
+from common.settings import DiscoverySettings
 from common.metrics import Registry
 from common.store import Store
 from services.discovery.main import build_source
@@ -64,12 +65,13 @@ class RunningDiscovery:
                                            socket_connect_timeout=1)
         self.store = Store(self.client)
         self.holder = f"test-holder-{next(_ids)}"
-        self.reconciler = Reconciler(self.store, self.holder, cfg.discovery.lease_ttl,
+        d = DiscoverySettings.from_config(cfg)
+        self.reconciler = Reconciler(self.store, self.holder, d.lease_ttl,
                                      self.metrics)
         self.source = (make_source(self.metrics) if make_source
-                       else build_source(cfg, str(path) if path else None, self.metrics))
+                       else build_source(d, str(path) if path else None, self.metrics))
         self.stop = threading.Event()
-        backoff = Backoff(cfg.ingest.l1.backoff_initial, cfg.ingest.l1.backoff_max)
+        backoff = Backoff(d.backoff_initial, d.backoff_max)
         self.thread = threading.Thread(target=run, name=self.holder, daemon=True,
                                        args=(self.source, self.reconciler, self.stop, backoff))
 

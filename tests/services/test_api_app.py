@@ -11,10 +11,11 @@ import pytest
 import redis
 
 from common.blockhash import BlockHasher, HashSettings
-from common.config import Config
+from common.config import Redis
+from common.settings import ApiSettings
 from common.store import Instance, Store, TierOps
 from services.api.api_metrics import ApiMetrics
-from services.api.app import create_app, hash_settings, redis_client
+from services.api.app import create_app, redis_client
 from services.api.hit_rate import UNREACHABLE
 from tests.conftest import free_port
 
@@ -26,7 +27,7 @@ PROMPT = list(range(1000, 1000 + 4 * BS))  # exactly 4 full blocks
 
 @pytest.fixture(scope="module")
 def hasher() -> BlockHasher:
-    return BlockHasher(hash_settings(Config()))
+    return BlockHasher(ApiSettings().hash)
 
 
 def _members(hasher: BlockHasher, tokens: list[int], salt: str | None = None) -> list[int]:
@@ -44,10 +45,8 @@ def _populate(store: Store, ip: str, l1: list[int], l3: list[int]) -> None:
 def _client(store: Store, hasher: BlockHasher, limit: int = 4194304,
             metrics: ApiMetrics | None = None,
             max_candidates: int = 1024) -> falcon.testing.TestClient:
-    config = Config()
-    config.http.max_hit_rate_body_bytes = limit
-    config.http.max_candidates = max_candidates
-    return falcon.testing.TestClient(create_app(config, store, hasher, metrics or ApiMetrics()))
+    settings = ApiSettings(max_hit_rate_body_bytes=limit, max_candidates=max_candidates)
+    return falcon.testing.TestClient(create_app(settings, store, hasher, metrics or ApiMetrics()))
 
 
 @pytest.fixture()
@@ -58,9 +57,7 @@ def store(any_store: Store) -> Store:
 @pytest.fixture()
 def dead_store() -> Store:
     """A store whose Redis port has nobody listening, with the API's client settings."""
-    config = Config()
-    config.redis.url = f"redis://127.0.0.1:{free_port()}/0"
-    return Store(redis_client(config))
+    return Store(redis_client(Redis(url=f"redis://127.0.0.1:{free_port()}/0")))
 
 
 def _ask(client: falcon.testing.TestClient, ips: list[str], tokens: list[int],
@@ -336,7 +333,7 @@ class _BrokenHasher:
 
 
 def test_an_unexpected_error_is_a_json_500_without_details(redis_client: redis.Redis) -> None:
-    app = create_app(Config(), Store(redis_client), _BrokenHasher(), ApiMetrics())
+    app = create_app(ApiSettings(), Store(redis_client), _BrokenHasher(), ApiMetrics())
     result = _ask(falcon.testing.TestClient(app), [A], PROMPT)
     assert result.status_code == 500
     assert result.json == {"server_score_list": [], "status": 500,

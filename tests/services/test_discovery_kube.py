@@ -14,6 +14,7 @@ import redis
 
 from common import keys
 from common.config import load_config
+from common.settings import DiscoverySettings
 from common.store import Instance, Store, TierOps
 from services.discovery.kube import KubeSource, connect
 from tests.conftest import RedisServer, wait_for
@@ -326,9 +327,10 @@ def test_in_cluster_config_https_token_and_namespace(tmp_path: Path, redis_serve
         path = write_config(tmp_path / "c.yaml", redis_server.url, {"discovery": {"namespace": ""}})
         cfg = load_config(path, env={})
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(server.port)}
-        api, namespace = connect(cfg.discovery, env, sa_dir=sa)
+        settings = DiscoverySettings.from_config(cfg)
+        api, namespace = connect(settings, env, sa_dir=sa)
         assert namespace == "team-a"
-        d = RunningDiscovery(cfg, path, lambda m: KubeSource(api, namespace, cfg, m)).start()
+        d = RunningDiscovery(cfg, path, lambda m: KubeSource(api, namespace, settings, m)).start()
         try:
             wait_for(lambda: ips(store) == {"10.0.0.1"}, what="the team-a pod over https")
         finally:

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from common.config import load_config
+from common.settings import DiscoverySettings
 from common.store import Store, TierOps
 from services.discovery.static import StaticSource
 from tests.conftest import RedisServer, wait_for
@@ -52,8 +53,10 @@ def running() -> Iterator[list[RunningDiscovery]]:
 
 def _start(static_file: StaticFile, running: list[RunningDiscovery]) -> RunningDiscovery:
     cfg = load_config(static_file.path, env={})
+    settings = DiscoverySettings.from_config(cfg)
     d = RunningDiscovery(cfg, static_file.path,
-                         lambda m: StaticSource(str(static_file.path), cfg, m, poll_interval=0.05))
+                         lambda m: StaticSource(str(static_file.path), settings, m,
+                                                poll_interval=0.05))
     running.append(d.start())
     return d
 

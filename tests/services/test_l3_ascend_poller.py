@@ -105,7 +105,7 @@ def test_key_formats_narrow_and_say_so(harness_factory: Callable[..., Harness],
                                        master: FakeMaster) -> None:
     ep_a = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
     master.put(akey(0, 0), ep_a)
-    h = harness_factory(key_formats=["vllm"])
+    h = harness_factory(key_formats=("vllm",))
     h.register(POD_A)
     h.start(master)
     wait_for(lambda: h.metrics.keys_skipped.value(master=master.url, reason="format_disabled")

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from common.blockhash import BlockHasher, HashSettings
-from common.config import Duration, IngestL3
+from common.settings import L3PollerSettings
 from common.store import Instance, Store
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.poller import L3Poller
@@ -31,18 +31,18 @@ def vkey(block: int, tp: int = 0, model: str = "Qwen2.5-0.5B-Instruct") -> str:
     return f"{model}@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{DIGESTS[block].hex()}"
 
 
-def l3cfg(**kw: object) -> IngestL3:
-    base: dict[str, object] = {"poll_interval": Duration(0.1), "http_timeout": Duration(0.5),
-                                   "stale_after": Duration(1.0), "batch_size": 3}
+def l3cfg(**kw: object) -> L3PollerSettings:
+    base: dict[str, object] = {"poll_interval": 0.1, "http_timeout": 0.5, "segments_timeout": 0.5,
+                               "stale_after": 1.0, "batch_size": 3}
     base.update(kw)
-    return IngestL3(**base)  # type: ignore[arg-type]
+    return L3PollerSettings(**base)  # type: ignore[arg-type]
 
 
 class Harness:
-    def __init__(self, client: redis.Redis, cfg: IngestL3) -> None:
+    def __init__(self, client: redis.Redis, cfg: L3PollerSettings) -> None:
         self.store = Store(client)
         self.metrics = PollerMetrics.register()
-        self.poller = L3Poller(cfg, 0.5, self.store, self.metrics)
+        self.poller = L3Poller(cfg, self.store, self.metrics)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poller.run, args=(self.stop,), daemon=True)
 
@@ -198,7 +198,7 @@ def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
     port = free_port()
     master = FakeMaster("0.3.13", port=port).start()
     populate(master)
-    h = harness_factory(stale_after=Duration(1.5), http_timeout=Duration(0.3))
+    h = harness_factory(stale_after=1.5, http_timeout=0.3)
     h.register(POD_A, POD_B)
     h.start(master)
     h.wait_members(POD_A, set(INTS[:4]))
@@ -237,7 +237,7 @@ def test_masters_are_independent_and_removal_clears(harness_factory: Callable[..
         ep_a2 = other.mount(f"{POD_A}:12301", f"{POD_A}:15001")  # A on both masters
         other.put(vkey(1), ep_b)
         other.put(vkey(2), ep_a2)
-        h = harness_factory(stale_after=Duration(30))
+        h = harness_factory(stale_after=30)
         h.register(POD_A, POD_B)
         h.start(master, other)
         h.wait_members(POD_A, {INTS[0], INTS[2]})
@@ -299,7 +299,7 @@ def test_overlong_lines_and_malformed_locate_bodies(harness_factory: Callable[..
     try:
         populate(master)
         master.put("x" * (1 << 20))
-        h = harness_factory(stale_after=Duration(30))
+        h = harness_factory(stale_after=30)
         h.register(POD_A, POD_B)
         h.start(master)
         h.wait_members(POD_A, set(INTS[:4]))

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from common.config import Duration, IngestL1, IngestL3
+from common.settings import L1IngestSettings, L3PollerSettings
 from common.health import Health
 from common.lifecycle import Backoff
 from common.metrics import Registry, serve
@@ -138,7 +138,7 @@ def test_l1_subscriber_loop(redis_client: redis.Redis, health: tuple[Health, Pro
     h, probe = health
     gate, stop = Gate(), threading.Event()
     store = WedgingStore(redis_client, gate)
-    sub = Subscriber(store, IngestL1(), IngestMetrics(), health=h)
+    sub = Subscriber(store, L1IngestSettings(), IngestMetrics(), health=h)
     t = _thread(sub.run, stop)
     wait_for(lambda: probe.get("/healthz")[0] == 200, what="a live subscriber")
     gate.close()  # the next subscription reads its cursor (last_seq) and hangs there
@@ -204,9 +204,9 @@ def test_l3_master_poll_loop(redis_client: redis.Redis, health: tuple[Health, Pr
     gate, stop = Gate(), threading.Event()
     store = Store(redis_client)
     store.set_masters({"http://127.0.0.1:9": "{}"})
-    cfg = IngestL3(poll_interval=Duration(0.05), http_timeout=Duration(0.2),
-                   stale_after=Duration(60))
-    poller = L3Poller(cfg, 0.2, store, PollerMetrics.register(),
+    cfg = L3PollerSettings(poll_interval=0.05, http_timeout=0.2, segments_timeout=0.2,
+                           stale_after=60)
+    poller = L3Poller(cfg, store, PollerMetrics.register(),
                       client_factory=lambda _url: _HangingMaster(gate),  # type: ignore
                       health=h)
     t = _thread(poller.run, stop)

@@ -1,0 +1,182 @@
+"""The config file translated, once and at the edge, into one typed settings object per process.
+
+:mod:`common.config` loads and validates the Go-compatible ``config.yaml`` (its sections
+follow the original's layout, not ours); this module maps it onto what each process
+actually uses, so that a service receives only its own settings and never reads another
+section. Every object is a frozen dataclass built by its ``from_config`` classmethod:
+
+* :class:`ProcessSettings` (the shell of every process): ``log.*``, ``metrics.*``,
+  ``redis.*``, and ``--metrics-port``;
+* :class:`DiscoverySettings`: ``discovery.*``, its reconnect backoff from
+  ``ingest.l1.backoffInitial``/``backoffMax``, the master URL scheme from ``ingest.l3.scheme``;
+* :class:`L1IngestSettings`: ``ingest.l1.*``;
+* :class:`L3PollerSettings`: ``ingest.l3.*`` and ``discovery.segmentsFetchTimeout``;
+* :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`)
+  and ``log.level`` (gunicorn's own log level).
+
+The cross-section keys keep the original's meaning (the drop-in contract): in the Go
+service ``ingest.l1.backoff*`` is the reconnect backoff of every watcher, ``ingest.l3.scheme``
+the scheme of the master URLs discovery publishes, ``discovery.segmentsFetchTimeout`` the
+timeout of a master's segment query. ``blockKey.useIntBlockHashes`` is accepted and unused:
+the event decoder reads both hash forms. Nested sections passed through unchanged
+(``discovery.labels``, ``discovery.vllm`` …) stay :mod:`common.config` dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, cast
+
+from common.blockhash import HashSettings
+from common.config import (
+    Config,
+    DiscoveryVLLM,
+    L3Model,
+    Labels,
+    MooncakeMaster,
+    Redis,
+    Static,
+)
+
+DiscoveryMode = Literal["kubernetes", "static"]
+GapPolicy = Literal["keep", "clear"]
+ShardMode = Literal["lease", "static"]
+L3Scope = Literal["segment", "pool"]
+Scheme = Literal["http", "https"]
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What the process shell itself uses: logging, the metrics endpoint, the Redis client."""
+
+    log_level: str
+    log_format: str
+    metrics_addr: str
+    metrics_port: int
+    """0 = no metrics endpoint; ``--metrics-port`` overrides ``metrics.port``."""
+    liveness_timeout: float
+    redis: Redis
+
+    @classmethod
+    def from_config(cls, cfg: Config, metrics_port: int | None = None) -> ProcessSettings:
+        return cls(
+            log_level=cfg.log.level, log_format=cfg.log.format,
+            metrics_addr=cfg.metrics.addr,
+            metrics_port=cfg.metrics.port if metrics_port is None else metrics_port,
+            liveness_timeout=float(cfg.metrics.liveness_timeout), redis=cfg.redis)
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """The discovery worker's settings."""
+
+    mode: DiscoveryMode
+    namespace: str
+    kubeconfig: str
+    refresh_interval: float
+    lease_ttl: float
+    labels: Labels
+    vllm: DiscoveryVLLM
+    mooncake_master: MooncakeMaster
+    static: Static
+    backoff_initial: float
+    """Pod-watch reconnect and registry-write backoff (``ingest.l1.backoffInitial``)."""
+    backoff_max: float
+    master_scheme: Scheme
+    """Scheme of the master URLs discovery publishes (``ingest.l3.scheme``)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DiscoverySettings:
+        d, l1 = cfg.discovery, cfg.ingest.l1
+        return cls(
+            mode=cast(DiscoveryMode, d.mode), namespace=d.namespace, kubeconfig=d.kubeconfig,
+            refresh_interval=float(d.refresh_interval), lease_ttl=float(d.lease_ttl),
+            labels=d.labels, vllm=d.vllm, mooncake_master=d.mooncake_master, static=d.static,
+            backoff_initial=float(l1.backoff_initial), backoff_max=float(l1.backoff_max),
+            master_scheme=cast(Scheme, cfg.ingest.l3.scheme))
+
+
+@dataclass(frozen=True)
+class L1IngestSettings:
+    """An L1 ingester's settings (``ingest.l1``)."""
+
+    topic: str = ""
+    on_unrecoverable_gap: GapPolicy = "keep"
+    shard_mode: ShardMode = "lease"
+    lease_ttl: float = 5.0
+    heartbeat_interval: float = 1.0
+    replay_timeout: float = 5.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 30.0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> L1IngestSettings:
+        l1 = cfg.ingest.l1
+        return cls(
+            topic=l1.topic, on_unrecoverable_gap=cast(GapPolicy, l1.on_unrecoverable_gap),
+            shard_mode=cast(ShardMode, l1.shard_mode), lease_ttl=float(l1.lease_ttl),
+            heartbeat_interval=float(l1.heartbeat_interval),
+            replay_timeout=float(l1.replay_timeout), backoff_initial=float(l1.backoff_initial),
+            backoff_max=float(l1.backoff_max))
+
+
+@dataclass(frozen=True)
+class L3PollerSettings:
+    """The L3 poller's settings (``ingest.l3``, plus the segment query's timeout)."""
+
+    scheme: Scheme = "http"
+    poll_interval: float = 10.0
+    http_timeout: float = 5.0
+    segments_timeout: float = 2.0
+    """Timeout of a master's segment query (``discovery.segmentsFetchTimeout``)."""
+    scope: L3Scope = "segment"
+    stale_after: float = 60.0
+    batch_size: int = 200
+    key_formats: tuple[str, ...] = ("vllm", "vllm-ascend")
+    models: tuple[L3Model, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> L3PollerSettings:
+        l3 = cfg.ingest.l3
+        return cls(
+            scheme=cast(Scheme, l3.scheme), poll_interval=float(l3.poll_interval),
+            http_timeout=float(l3.http_timeout),
+            segments_timeout=float(cfg.discovery.segments_fetch_timeout),
+            scope=cast(L3Scope, l3.scope), stale_after=float(l3.stale_after),
+            batch_size=l3.batch_size, key_formats=tuple(l3.key_formats),
+            models=tuple(l3.models))
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """The API's settings: the HTTP server (``http``) and the block hashing (``blockKey``)."""
+
+    addr: str = ":28080"
+    workers: int = 2
+    threads: int = 4
+    shutdown_timeout: float = 10.0
+    read_header_timeout: float = 10.0
+    read_timeout: float = 30.0
+    write_timeout: float = 30.0
+    idle_timeout: float = 120.0
+    max_header_bytes: int = 1048576
+    max_hit_rate_body_bytes: int = 4194304
+    max_candidates: int = 1024
+    hash: HashSettings = HashSettings()
+    log_level: str = "info"
+    """gunicorn's own log level (the process's ``log.level``)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ApiSettings:
+        """Raises ConfigError for block-key values that cannot be hashed with."""
+        h, bk = cfg.http, cfg.block_key
+        return cls(
+            addr=h.addr, workers=h.workers, threads=h.threads,
+            shutdown_timeout=float(h.shutdown_timeout),
+            read_header_timeout=float(h.read_header_timeout), read_timeout=float(h.read_timeout),
+            write_timeout=float(h.write_timeout), idle_timeout=float(h.idle_timeout),
+            max_header_bytes=h.max_header_bytes,
+            max_hit_rate_body_bytes=h.max_hit_rate_body_bytes, max_candidates=h.max_candidates,
+            hash=HashSettings.from_strings(
+                bk.prefix_caching_hash_algo, bk.python_hash_seed, bk.vllm_version),
+            log_level=cfg.log.level)
