@@ -102,6 +102,7 @@ def test_a_worker_runs_with_its_settings_metrics_and_redis_then_all_is_closed(
         client = proc.redis()
         assert proc.redis() is client  # one client per process
         client.client_setname("shell-test")
+        seen["client"] = client  # held, so only the shell's close can drop the connection
         seen["clients"] = _clients(redis_server, "shell-test")
         seen["healthz"] = _get(port, "/healthz")
         proc.registry.counter("shell_test_total", "a test counter").inc()

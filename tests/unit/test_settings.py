@@ -1,4 +1,4 @@
-"""The config file translated into per-service settings: every key lands where it means something."""
+"""The config file translated into per-service settings: every key lands where it belongs."""
 
 from __future__ import annotations
 
