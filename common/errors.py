@@ -37,7 +37,16 @@ class UpstreamError(CacheIndexerError):
 
 
 class FencedError(UpstreamError):
-    """A fenced write was refused: stale generation, or the writer no longer owns the instance."""
+    """A fenced write was refused: stale generation, or the writer no longer owns the instance.
+
+    Raised by the L1 ingester's rank stream (``status`` is the store's verdict, e.g.
+    ``stale_gen``); its subscriber drops the instance and resubscribes after a backoff, as
+    for any upstream failure. The store itself returns the verdict, since a duplicate is
+    not an error and the L3 writer only skips a refused write."""
+
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RequestError(CacheIndexerError):

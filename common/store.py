@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -54,11 +55,39 @@ class Instance:
         )
 
 
+class BatchStatus(StrEnum):
+    """What the store did with one fenced batch write (its values are metric label values)."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    """The sequence is not above the last applied one: nothing changed."""
+    STALE_GEN = "stale_gen"
+    """Refused: the instance is no longer the generation the writer follows."""
+    NOT_OWNER = "not_owner"
+    """Refused: another ingester holds the instance's lease."""
+
+    @property
+    def fenced(self) -> bool:
+        return self in (BatchStatus.STALE_GEN, BatchStatus.NOT_OWNER)
+
+
+class RegistryChange(StrEnum):
+    """What :meth:`Store.upsert_instance` did (its values are metric label values)."""
+
+    ADDED = "added"
+    REPLACED = "replaced"
+    """A new pod UID on this IP: the old pod's data was dropped."""
+    RESTARTED = "restarted"
+    """The container restarted: its L1 data was dropped."""
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+
+
 @dataclass
 class ApplyResult:
-    """What one fenced batch write did. ``status``: applied, duplicate, stale_gen, not_owner."""
+    """What one fenced batch write did."""
 
-    status: str
+    status: BatchStatus
     stored: int = 0
     removed: int = 0
     unknown_removes: int = 0
@@ -88,7 +117,8 @@ class TierOps:
         return out
 
 
-_STATUS = {1: "applied", 0: "duplicate", -1: "stale_gen", -2: "not_owner"}
+_STATUS = {1: BatchStatus.APPLIED, 0: BatchStatus.DUPLICATE, -1: BatchStatus.STALE_GEN,
+           -2: BatchStatus.NOT_OWNER}
 
 
 def _instance_keys(ip: str) -> list[str]:
@@ -123,18 +153,14 @@ class Store:
 
     # -- registry (discovery) -------------------------------------------------------
 
-    def upsert_instance(self, inst: Instance) -> tuple[str, int]:
-        """Register or refresh an instance. Returns (what happened, generation).
-
-        ``added``/``replaced`` (new pod UID on this IP: old data dropped)/``restarted``
-        (container restart: L1 dropped)/``updated``/``unchanged``. Idempotent.
-        """
+    def upsert_instance(self, inst: Instance) -> tuple[RegistryChange, int]:
+        """Register or refresh an instance. Returns (what happened, generation). Idempotent."""
         argv = [*_rank_prefixes(inst.ip), inst.uid, inst.restarts, *inst.meta_fields()]
         # Index first, then the instance: a failure in between leaves an indexed IP that the
         # next reconcile upserts or removes, never instance data that nothing lists.
         self.r.sadd(keys.INSTANCES, inst.ip)
         result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
-        return _text(result), int(gen)
+        return RegistryChange(_text(result)), int(gen)
 
     def remove_instance(self, ip: str) -> bool:
         """Forget an instance and drop its L1/L2/L3 data (O(its own keys)); bumps its gen."""

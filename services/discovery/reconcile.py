@@ -32,7 +32,7 @@ import redis
 
 from common.health import Health
 from common.lifecycle import Backoff, StateLog
-from common.store import Instance, Store
+from common.store import Instance, RegistryChange, Store
 from services.discovery.metrics import DiscoveryMetrics
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Reconciler:
                 continue
             self._check()
             action, gen = self.store.upsert_instance(inst)
-            if action != "unchanged":
+            if action is not RegistryChange.UNCHANGED:
                 self.metrics.changes.inc(action=action)
                 logger.info("instance %s %s (pod %s, uid %s, gen %d)",
                             ip, action, inst.pod, inst.uid, gen)

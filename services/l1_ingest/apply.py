@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 
 from common.events import (
     AllBlocksCleared,
@@ -126,7 +127,17 @@ def _add(plan: Plan, op: str, tier: str, hashes: list[int]) -> None:
 
 # -- sequence tracking --------------------------------------------------------------------
 
-APPLY, DUPLICATE, GAP, RESTART = "apply", "duplicate", "gap", "restart"
+class Verdict(Enum):
+    """What a live batch is, given the cursor (:func:`classify`)."""
+
+    APPLY = "apply"
+    """The next sequence (or the first one seen): write it."""
+    DUPLICATE = "duplicate"
+    """Already applied this session (replay overlapping the live stream): drop it."""
+    GAP = "gap"
+    """Batches are missing before it: replay them first."""
+    RESTART = "restart"
+    """The sequence went backwards: the publisher restarted."""
 
 
 @dataclass
@@ -161,7 +172,7 @@ class Cursor:
         self.reset_pending = True
 
 
-def classify(cursor: Cursor, seq: int) -> str:
+def classify(cursor: Cursor, seq: int) -> Verdict:
     """What a *live* batch with ``seq`` is, given the cursor (does not change it).
 
     A live sequence at or below ``applied`` is a duplicate only if this session already
@@ -169,14 +180,14 @@ def classify(cursor: Cursor, seq: int) -> str:
     single publisher never does: vLLM restarted and began again at 0.
     """
     if cursor.applied is None or seq == cursor.applied + 1:
-        return APPLY
+        return Verdict.APPLY
     if seq > cursor.applied + 1:
-        return GAP
+        return Verdict.GAP
     if cursor.live_max is not None and seq <= cursor.live_max:
-        return RESTART
+        return Verdict.RESTART
     if cursor.covered_from is not None and seq >= cursor.covered_from:
-        return DUPLICATE
-    return RESTART
+        return Verdict.DUPLICATE
+    return Verdict.RESTART
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ the rest) until :meth:`finish_replay` has written the replayed batches and then 
 What replay cannot cover is handled by ``ingest.l1.onUnrecoverableGap``: ``keep`` writes the
 next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True``.
 
+A write the store refuses (the instance changed generation, or another ingester owns it)
+raises :class:`~common.errors.FencedError` and ends the session: the subscriber drops the
+instance and resubscribes after a backoff, with fresh state.
+
 A payload that is not an EventBatch is dropped and counted, but its sequence is still
 recorded (an empty write): vLLM sent it, replaying it would return the same bytes, and
 treating it as a gap would clear or flag the index for nothing.
@@ -33,22 +37,12 @@ import time
 
 import zmq
 
-from common.errors import NotABatchError
-from common.lifecycle import StateLog
+from common.errors import FencedError, NotABatchError
 from common.events import decode_batch
-from common.store import Instance, Store, TierOps
-from services.l1_ingest.apply import (
-    APPLY,
-    DUPLICATE,
-    GAP,
-    RESTART,
-    Cursor,
-    Plan,
-    Step,
-    classify,
-    plan_ops,
-    plan_run,
-)
+from common.lifecycle import StateLog
+from common.settings import GapPolicy
+from common.store import ApplyResult, BatchStatus, Instance, Store, TierOps
+from services.l1_ingest.apply import Cursor, Plan, Step, Verdict, classify, plan_ops, plan_run
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.replay import ReplayRequest
 
@@ -77,7 +71,7 @@ class RankStream:
     """Sequence state and writes of one instance rank for one subscription session."""
 
     def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
-                 *, owner: str, gap_policy: str, replay_timeout: float,
+                 *, owner: str, gap_policy: GapPolicy, replay_timeout: float,
                  metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None) -> None:
         self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
         self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
@@ -91,14 +85,13 @@ class RankStream:
             else None
         self.replay: ReplayRequest | None = None
         self.pending: tuple[int, bytes] | None = None
-        self.fenced = ""
         self._replay_state = StateLog(logger, f"{self.name}: replay at {self.replay_endpoint!r}")
         self._replay_state.state = "available"  # only a change from here is logged
 
     @property
     def paused(self) -> bool:
-        """True while live batches must wait (replay in flight) or cannot be written (fenced)."""
-        return self.replay is not None or bool(self.fenced)
+        """True while live batches must wait (a replay is in flight)."""
+        return self.replay is not None
 
     # -- events from the subscriber --------------------------------------------------------
 
@@ -115,23 +108,23 @@ class RankStream:
 
     def on_live(self, seq: int, payload: bytes) -> None:
         verdict = classify(self.cursor, seq)
-        if verdict == RESTART:
+        if verdict is Verdict.RESTART:
             logger.warning("%s: sequence went back from %s to %d: publisher restarted, "
                            "dropping the rank's index", self.name, self.cursor.applied, seq)
             self.metrics.restarts.inc()
             self.cursor.mark_restart()
             self.digest = None
-            verdict = APPLY if seq == 0 else GAP
+            verdict = Verdict.APPLY if seq == 0 else Verdict.GAP
         live_max = self.cursor.live_max
         self.cursor.live_max = seq if live_max is None else max(seq, live_max)
-        if verdict == DUPLICATE:
+        if verdict is Verdict.DUPLICATE:
             self.metrics.batches.inc(result="duplicate")
             return
-        if verdict == GAP and self._start_replay(self._replay_start(), (seq, payload)):
+        if verdict is Verdict.GAP and self._start_replay(self._replay_start(), (seq, payload)):
             logger.info("%s: gap before seq %d (last applied %s): replaying",
                         self.name, seq, self.cursor.applied)
             return
-        self._write_run([(seq, payload)], counting_gap=verdict == GAP)
+        self._write_run([(seq, payload)], counting_gap=verdict is Verdict.GAP)
 
     def finish_replay(self) -> None:
         """The replay ended (end marker or deadline): write its batches, then the held one."""
@@ -192,9 +185,8 @@ class RankStream:
         self.digest = None
         result = self.store.apply_batch(self.inst.ip, self.inst.gen, self.rank, -1,
                                         TierOps(), owner=self.owner, reset=True)
-        if result.status != "applied":
-            self.fenced = result.status
-            return
+        if result.status is not BatchStatus.APPLIED:
+            raise self._refused(result, "the reset")
         self.cursor.mark_applied(-1)
         if not self._start_replay(0, held) and held is not None:  # whatever it sent so far
             self._write_run([held], counting_gap=True)
@@ -222,9 +214,7 @@ class RankStream:
         if counting_gap and not unfilled:
             self.metrics.gaps.inc(outcome="recovered")
         for step in steps:
-            if self.fenced:
-                return
-            self._write(step)
+            self._write(step)  # FencedError ends the run: the rest would be refused too
 
     def _write(self, step: Step) -> None:
         plan = self._plan(step)
@@ -243,16 +233,20 @@ class RankStream:
             owner=self.owner, reset=reset, gap=gap)
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
         self.metrics.batches.inc(result=result.status)
-        if result.status == "applied":
+        if result.status is BatchStatus.APPLIED:
             self.cursor.mark_applied(step.seq)
             self.digest = (step.seq, payload_digest(step.payload))
             self._count(plan)
-        elif result.status == "duplicate":
+        elif result.status is BatchStatus.DUPLICATE:
             self.cursor.applied = self.store.last_seq(self.inst.ip, self.rank)
         else:
-            self.fenced = result.status
-            logger.error("%s: write of seq %d refused (%s): stopping this subscription",
-                         self.name, step.seq, result.status)
+            raise self._refused(result, f"the write of seq {step.seq}")
+
+    def _refused(self, result: ApplyResult, what: str) -> FencedError:
+        logger.error("%s: %s was refused (%s): stopping this subscription",
+                     self.name, what, result.status)
+        return FencedError(f"{self.name}: {what} was refused ({result.status})",
+                           result.status)
 
     def _plan(self, step: Step) -> Plan:
         try:

@@ -28,11 +28,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import redis
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from common.errors import FencedError
 from common.health import Health
 from common.lifecycle import Backoff, StateLog
 from common.settings import L1IngestSettings
@@ -53,6 +55,17 @@ def parse_live(frames: list[bytes]) -> tuple[int, bytes] | None:
     if len(frames) != 3 or len(frames[1]) != 8:
         return None
     return int.from_bytes(frames[1], "big"), frames[2]
+
+
+class SocketKind(Enum):
+    """What a polled socket of a rank is."""
+
+    SUB = "sub"
+    """The live stream."""
+    MONITOR = "monitor"
+    """The SUB socket's connection events."""
+    REPLAY = "replay"
+    """The DEALER of a replay in flight."""
 
 
 @dataclass(eq=False)
@@ -83,7 +96,7 @@ class Subscriber:
         self._wanted: dict[str, Instance] = {}
         self._active: dict[str, Instance] = {}
         self._conns: dict[tuple[str, int], _Conn] = {}
-        self._by_socket: dict[zmq.Socket[bytes], tuple[str, _Conn]] = {}
+        self._by_socket: dict[zmq.Socket[bytes], tuple[SocketKind, _Conn]] = {}
         self._retry: dict[str, tuple[float, Backoff]] = {}
         self._digests: dict[tuple[str, int], tuple[int, int, bytes]] = {}
         """(ip, rank) → (gen, seq, digest) of the last payload applied by a closed session."""
@@ -194,8 +207,8 @@ class Subscriber:
         monitor = sub.get_monitor_socket(_MONITORED)
         conn = _Conn(stream, sub, monitor, StateLog(logger, f"publisher {stream.name}"))
         self._conns[(inst.ip, rank)] = conn
-        self._by_socket[sub] = ("sub", conn)
-        self._by_socket[monitor] = ("monitor", conn)
+        self._by_socket[sub] = (SocketKind.SUB, conn)
+        self._by_socket[monitor] = (SocketKind.MONITOR, conn)
         self._dirty = True
         sub.connect(rank_endpoint(inst.zmq_endpoint, rank))
         conn.state.set("connecting", rank_endpoint(inst.zmq_endpoint, rank))
@@ -235,22 +248,23 @@ class Subscriber:
     def _sync_poller(self) -> None:
         """Poll monitors always, SUBs unless paused, and the DEALER of each replay in flight."""
         self._poller = zmq.Poller()
-        self._by_socket = {s: v for s, v in self._by_socket.items() if v[0] != "replay"}
+        self._by_socket = {s: v for s, v in self._by_socket.items()
+                           if v[0] is not SocketKind.REPLAY}
         for conn in self._conns.values():
             self._poller.register(conn.monitor, zmq.POLLIN)
             replay = conn.stream.replay
             if replay is not None and not replay.done:
                 self._poller.register(replay.socket, zmq.POLLIN)
-                self._by_socket[replay.socket] = ("replay", conn)
+                self._by_socket[replay.socket] = (SocketKind.REPLAY, conn)
             if not conn.stream.paused:
                 self._poller.register(conn.sub, zmq.POLLIN)
         self._dirty = False
 
     def _dispatch(self, sock: zmq.Socket[bytes]) -> None:
         kind, conn = self._by_socket[sock]
-        if kind == "sub":
+        if kind is SocketKind.SUB:
             self._guarded(conn, lambda: self._read_live(conn))
-        elif kind == "monitor":
+        elif kind is SocketKind.MONITOR:
             self._guarded(conn, lambda: self._read_monitor(conn))
         else:
             self._guarded(conn, lambda: self._read_replay(conn, sock))
@@ -267,15 +281,16 @@ class Subscriber:
         ip = conn.stream.inst.ip
         try:
             action()
+        except FencedError as exc:
+            self._drop(ip)
+            self._schedule_retry(ip, f"writes refused ({exc.status})")
+            return
         except (redis.RedisError, zmq.ZMQError) as exc:
             self._drop(ip)
             what = "Redis" if isinstance(exc, redis.RedisError) else "ZMQ"
             self._schedule_retry(ip, f"{what} failed: {exc}")
             return
-        if conn.stream.fenced:
-            self._drop(ip)
-            self._schedule_retry(ip, f"writes refused ({conn.stream.fenced})")
-        elif (conn.stream.paused, conn.stream.replay) != before:
+        if (conn.stream.paused, conn.stream.replay) != before:
             self._dirty = True
 
     def _read_live(self, conn: _Conn) -> None:

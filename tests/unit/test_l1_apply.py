@@ -15,11 +15,8 @@ from common.events import (
     encode_batch,
 )
 from services.l1_ingest.apply import (
-    APPLY,
-    DUPLICATE,
-    GAP,
-    RESTART,
     Cursor,
+    Verdict,
     classify,
     in_prefix_group,
     plan_ops,
@@ -106,23 +103,23 @@ def test_skipped_events_are_counted_and_do_not_stop_the_rest() -> None:
 
 
 def test_classify_sequences() -> None:
-    assert classify(Cursor(None), 57) == APPLY  # joining: start wherever the stream is
+    assert classify(Cursor(None), 57) == Verdict.APPLY  # joining: start wherever the stream is
     c = Cursor(applied=10)
-    assert classify(c, 11) == APPLY
-    assert classify(c, 13) == GAP
-    assert classify(c, 3) == RESTART  # nothing this session covered seq 3: vLLM restarted
+    assert classify(c, 11) == Verdict.APPLY
+    assert classify(c, 13) == Verdict.GAP
+    assert classify(c, 3) == Verdict.RESTART  # nothing this session covered seq 3: vLLM restarted
     c.covered_from, c.live_max = 5, None
-    assert classify(c, 7) == DUPLICATE  # applied by this session's replay
+    assert classify(c, 7) == Verdict.DUPLICATE  # applied by this session's replay
     c.live_max = 8
-    assert classify(c, 8) == RESTART  # the live stream itself went backwards
-    assert classify(c, 9) == DUPLICATE
+    assert classify(c, 8) == Verdict.RESTART  # the live stream itself went backwards
+    assert classify(c, 9) == Verdict.DUPLICATE
 
 
 def test_restart_expects_zero_and_resets_once() -> None:
     c = Cursor(applied=40, live_max=40, covered_from=1)
     c.mark_restart()
     assert c.expected() == 0 and c.reset_pending and c.live_max is None
-    assert classify(c, 0) == APPLY and classify(c, 3) == GAP
+    assert classify(c, 0) == Verdict.APPLY and classify(c, 3) == Verdict.GAP
     c.mark_applied(0)
     assert not c.reset_pending and c.covered_from == 0
 
