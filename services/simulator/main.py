@@ -48,6 +48,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--prompts", type=int, default=32, help="size of the shared-prompt pool")
     a("--prompt-len", type=int, default=128, help="maximum prompt length in tokens")
     a("--hash-seed", default="0", help="PYTHONHASHSEED of the simulated engine")
+    a("--hash-algo", default="sha256_cbor", choices=("sha256_cbor", "sha256"),
+      help="--prefix-caching-hash-algo of the simulated engine")
     a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
     a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
     a("--restart-after", type=int, default=0, help="restart once after N steps")
@@ -65,6 +67,7 @@ def main(argv: list[str]) -> int:
         args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
         block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
         buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed,
+        hash_algo=args.hash_algo,
         bind_host=args.bind_host)
     workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
                         block_size=args.block_size, seed=args.seed)
