@@ -4,7 +4,8 @@
 their own; :func:`get_app` / :func:`build_app` make the real ones from the config in a
 gunicorn worker, after the fork (a Redis connection pool must not cross a fork).
 
-Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET /healthz``
+Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET
+/kv-cache/instances`` (:mod:`services.api.instances`), ``GET /healthz``
 (liveness: answers while the process serves), ``GET /readyz`` (Redis PING; 503 with a
 reason if it fails), ``GET /metrics`` (Prometheus text, summed over workers). Every error —
 ours, Falcon's 404/405, an unexpected exception — is JSON: on the hit-rate path in the
@@ -29,8 +30,10 @@ from common.blockhash import BlockHasher, HashSettings
 from common.config import Config, config_path_from, load_config
 from common.errors import RequestError
 from common.store import Store
-from services.api import hit_rate
+from common.status_report import Limits, StatusReader
+from services.api import hit_rate, instances
 from services.api.api_metrics import METRICS_DIR_ENV, ApiMetrics
+from services.api.instances import status_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +62,13 @@ class _Ready:
 
 
 class _Metrics:
-    def __init__(self, metrics: ApiMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: ApiMetrics, reader: StatusReader, limits: Limits) -> None:
+        self.metrics, self.reader, self.limits = metrics, reader, limits
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
-        resp.text = self.metrics.render()
+        resp.text = self.metrics.render() + status_metrics(self.reader, self.limits,
+                                                           self.metrics)
 
 
 class _RequestMetrics:
@@ -131,9 +135,13 @@ def create_app(config: Config, store: Store, hasher: hit_rate.Hasher,
     app: App = falcon.App(middleware=middleware)
     app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
         store, hasher, metrics, config.http.max_hit_rate_body_bytes))
+    reader = StatusReader(store.r)
+    limits = Limits(no_events_after=config.ingest.l1.no_events_after,
+                    lease_ttl=config.ingest.l1.lease_ttl)
+    app.add_route(instances.PATH, instances.InstancesResource(reader, limits, metrics))
     app.add_route("/healthz", _Health())
     app.add_route("/readyz", _Ready(store, metrics))
-    app.add_route("/metrics", _Metrics(metrics))
+    app.add_route("/metrics", _Metrics(metrics, reader, limits))
     app.add_error_handler(Exception, _unexpected_error)
     app.add_error_handler(RequestError, _request_error)
     app.set_error_serializer(_serialize_http_error)

@@ -17,6 +17,8 @@ event's ``block_hashes``:
   published; the "tagged" rule (>= 0.31) hashes ``("cache_salt", s)``, ``("mm", id, off)``,
   ``("prompt_embeds", d)`` and needs the LoRA path, which events do not carry: such blocks
   are left unchecked.
+* The verdict is ``ok`` once a block verified, ``mismatch`` for :data:`MISMATCH_HOLD` seconds
+  after a block did not (``unchecked`` before either).
 * On a mismatch it searches the plausible alternatives (the configured and common seeds,
   ``"vllm-none-hash"``, both algos, both extra-key rules) on that one block and names the one
   that matches, in the status detail, the log (once per change) and a metric. A search that
@@ -58,6 +60,9 @@ _TAGGED_SINCE = (0, 31, 0)
 VERIFIED_MAX = 4096
 """Verified digests kept per instance (parents that later events may chain from)."""
 SEARCH_INTERVAL = 30.0
+MISMATCH_HOLD = 60.0
+"""Seconds the verdict stays ``mismatch`` after the last mismatching block: when only some
+blocks differ (salted prompts under the wrong extra-key rule) the status must not flicker."""
 SEEDS = ("0", DEFAULT_NONE_HASH_SEED, "", "1", "42", "random", "1234", "12345",
          *(str(i) for i in range(2, 1024)))  # fmt: skip
 """Seeds tried on a mismatch besides the configured one: vLLM's default, the empty string,
@@ -159,6 +164,7 @@ class HashChecker:
         self.hint: Candidate | None = None
         self.unchecked: Counter[str] = Counter()
         self._searched_at = -SEARCH_INTERVAL
+        self._mismatch_at = -MISMATCH_HOLD
         self._log = StateLog(logger, f"{name}: block-hash self-check")
 
     # -- hot path --------------------------------------------------------------------------
@@ -215,7 +221,8 @@ class HashChecker:
         self.ok += len(digests)
         if self.metrics is not None:
             self.metrics.hash_checks.inc(len(digests), result=OK)
-        self._set(OK, f"{self.ok} blocks verified ({self.expected.describe(False)})")
+        if self.clock() - self._mismatch_at >= MISMATCH_HOLD:
+            self._set(OK, f"{self.ok} blocks verified ({self.expected.describe(False)})")
 
     def _remember(self, value: int, digest: bytes) -> None:
         self.verified[value] = digest
@@ -233,6 +240,7 @@ class HashChecker:
 
     def _on_mismatch(self, event: BlockStored, parent: bytes, index: int) -> None:
         self.mismatch += 1
+        self._mismatch_at = self.clock()
         if self.metrics is not None:
             self.metrics.hash_checks.inc(result=MISMATCH)
         keyed = any(k is not None for k in (event.extra_keys or [])) or bool(event.lora_name)
