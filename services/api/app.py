@@ -67,8 +67,8 @@ class _Metrics:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
-        resp.text = self.metrics.render() + status_metrics(self.reader, self.limits,
-                                                           self.metrics)
+        status = status_metrics(self.reader, self.limits, self.metrics)  # may count an error
+        resp.text = self.metrics.render() + status
 
 
 class _RequestMetrics:
