@@ -13,7 +13,14 @@ Starts its own redis-server and one ingester (static shard 0/1) on free loopback
    ``publish()`` to the batch's sequence being visible in Redis (this process polls
    ``Store.last_seq`` in a tight loop): p50 / p99 / max.
 
-Usage: ``python scripts/bench_l1_ingest.py [--batches 20000] [--rate 200] [--lag-seconds 10]``.
+3. **Hash self-check cost** (``ingest.l1.hashCheckRate``). The throughput run repeated
+   with the check off (rate 0), at the default budget and at an unbounded one
+   (``--check-rates``), alternating ``--check-rounds`` times on fresh ingesters so that the
+   shared machine's load hits every setting alike; plus, in this process, the CPU time of
+   one checked block and of a batch offered to an empty budget.
+
+Usage: ``python scripts/bench_l1_ingest.py [--batches 20000] [--rate 200] [--lag-seconds 10]
+[--check-batches 5000] [--check-rounds 3] [--check-rates 0,100,1000000]``.
 Needs ``redis-server`` on PATH. Prints Markdown.
 """
 
@@ -68,15 +75,66 @@ def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[byt
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     _wait(lambda: _pings(client), "redis-server")
-    config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis": {"url": url}, "log": {"level": "warning"},
-        "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "50ms", "backoffMax": "1s",
-                          "replayTimeout": "5s"}}}))
-    ingester = subprocess.Popen(
+    return rds, _ingester(workdir, url), url
+
+
+def _ingester(workdir: Path, url: str, hash_check_rate: int | None = None
+              ) -> subprocess.Popen[bytes]:  # fmt: skip
+    l1: dict[str, object] = {"topic": "kv-events", "backoffInitial": "50ms",
+                             "backoffMax": "1s", "replayTimeout": "5s"}  # fmt: skip
+    if hash_check_rate is not None:
+        l1["hashCheckRate"] = hash_check_rate
+    config = workdir / f"config-{hash_check_rate}.yaml"
+    config.write_text(yaml.safe_dump({"redis": {"url": url}, "log": {"level": "warning"},
+                                      "ingest": {"l1": l1}}))  # fmt: skip
+    return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config),
          "--shard", "0", "--shards", "1"], cwd=ROOT)
-    return rds, ingester, url
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def check_comparison(workdir: Path, url: str, store: Store, batches: int, per_step: int,
+                     rates: list[int], rounds: int) -> dict[int, list[float]]:
+    """Batches/s per hashCheckRate, ``rounds`` alternating runs each on a fresh ingester."""
+    out: dict[int, list[float]] = {rate: [] for rate in rates}
+    for r in range(rounds):
+        for rate in rates:
+            ingester = _ingester(workdir, url, rate)
+            try:
+                t = throughput(store, batches, per_step, uid=f"uid-check-{rate}-{r}")
+            finally:
+                _stop(ingester)
+            store.remove_instance(IP)
+            out[rate].append(t["batches"] / t["seconds"])
+    return out
+
+
+def check_cost(batches: int, per_step: int) -> tuple[float, float, int]:
+    """(µs per checked block, µs per batch offered to an empty budget, blocks checked)."""
+    from common.blockhash import HashSettings
+    from services.l1_ingest.hashcheck import HashChecker
+
+    sim = _sim(batches, 16)
+    workload = Workload("mixed", prompts=256, prompt_len=1024, block_size=16, seed=1)
+    steps = [sim.models[0].step([workload.next() for _ in range(per_step)])
+             for _ in range(batches)]  # fmt: skip
+    sim.close()
+    checker = HashChecker("bench", HashSettings(), float("inf"))
+    started = time.perf_counter()
+    for events in steps:
+        checker.offer(events)
+    per_block = (time.perf_counter() - started) / max(1, checker.ok) * 1e6
+    empty = HashChecker("bench", HashSettings(), 1e-9)
+    empty.offer(steps[0])  # spends the one-block burst
+    started = time.perf_counter()
+    for events in steps:
+        empty.offer(events)
+    per_batch = (time.perf_counter() - started) / len(steps) * 1e6
+    return per_block, per_batch, checker.ok
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -107,9 +165,10 @@ def _register(store: Store, sim: SimulatedVLLM, uid: str) -> None:
     _wait(joined, "the ingester to join")
 
 
-def throughput(store: Store, batches: int, per_step: int) -> dict[str, float]:
+def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throughput"
+               ) -> dict[str, float]:  # fmt: skip
     sim = _sim(batches, 16)
-    _register(store, sim, "uid-throughput")
+    _register(store, sim, uid)
     workload = Workload("mixed", prompts=256, prompt_len=1024, block_size=16, seed=1)
     model = sim.models[0]
     steps: list[list[Event]] = []
@@ -192,7 +251,12 @@ def main() -> int:
     ap.add_argument("--per-step", type=int, default=4, help="requests per engine step")
     ap.add_argument("--rate", type=float, default=200.0, help="batches/s for the lag test")
     ap.add_argument("--lag-seconds", type=float, default=10.0)
+    ap.add_argument("--check-batches", type=int, default=5_000)
+    ap.add_argument("--check-rounds", type=int, default=3)
+    ap.add_argument("--check-rates", default="0,100,1000000",
+                    help="hashCheckRate values compared (blocks/s per instance)")
     args = ap.parse_args()
+    rates = [int(r) for r in args.check_rates.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="bench-l1-"))
     rds, ingester, url = _start(workdir)
     client = redis.Redis.from_url(url)
@@ -202,9 +266,13 @@ def main() -> int:
         sadd = raw_sadd(client, 200_000)
         store.remove_instance(IP)
         lags = lag(store, args.rate, args.lag_seconds, args.per_step)
+        _stop(ingester)
+        store.remove_instance(IP)
+        compared = check_comparison(workdir, url, store, args.check_batches, args.per_step,
+                                    rates, args.check_rounds)
     finally:
-        ingester.terminate()
-        ingester.wait(10)
+        if ingester.poll() is None:
+            _stop(ingester)
         rds.terminate()
         rds.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -220,7 +288,21 @@ def main() -> int:
     print(f"| lag publish→visible at {args.rate:.0f} batches/s, p50 ms | {_pct(lags, 0.5):.2f} |")
     print(f"| lag p99 ms | {_pct(lags, 0.99):.2f} |")
     print(f"| lag max ms ({len(lags)} batches) | {lags[-1] * 1000:.2f} |")
+    _print_check(compared, *check_cost(2_000, args.per_step), args.check_batches)
     return 0
+
+
+def _print_check(compared: dict[int, list[float]], per_block: float, per_batch: float,
+                 checked: int, batches: int) -> None:
+    base = sorted(compared[min(compared)])[len(compared[min(compared)]) // 2]
+    print(f"\n| hashCheckRate | batches/s per run ({batches} batches) | median | vs off |")
+    print("|---:|---|---:|---:|")
+    for rate, runs in compared.items():
+        median = sorted(runs)[len(runs) // 2]
+        shown = ", ".join(f"{v:,.0f}" for v in runs)
+        print(f"| {rate:,} | {shown} | {median:,.0f} | {median / base - 1:+.1%} |")
+    print(f"\nin-process: {per_block:.1f} µs per checked block ({checked} blocks), "
+          f"{per_batch:.2f} µs per batch offered to an empty budget")
 
 
 if __name__ == "__main__":

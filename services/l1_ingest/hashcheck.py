@@ -197,7 +197,7 @@ class HashChecker:
             if found is None:
                 return  # cannot be proven from here: costs no budget
             parent = found
-        k = min(n, int(self._tokens))
+        k = n if self._tokens >= n else int(self._tokens)
         self._tokens -= k
         self._check(event, parent, k)
 
