@@ -137,6 +137,21 @@ def check_cost(batches: int, per_step: int) -> tuple[float, float, int]:
     return per_block, per_batch, checker.ok
 
 
+def search_cost() -> float:
+    """ms of one fruitless search for an explanation (every candidate tried)."""
+    from common.blockhash import BlockHasher, HashSettings
+    from services.l1_ingest.hashcheck import HashChecker
+    from services.simulator.cache_model import PrefixCacheModel, Request
+
+    odd = BlockHasher(HashSettings(seed="a seed nobody tries"))
+    events = PrefixCacheModel(8, 16, odd).step([Request(tuple(range(16)), "salt")])
+    checker = HashChecker("bench", HashSettings(), 1000)
+    started = time.perf_counter()
+    checker.offer(events)
+    assert checker.hint is None and checker.mismatch == 1
+    return (time.perf_counter() - started) * 1000
+
+
 def _pings(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())
@@ -289,6 +304,7 @@ def main() -> int:
     print(f"| lag p99 ms | {_pct(lags, 0.99):.2f} |")
     print(f"| lag max ms ({len(lags)} batches) | {lags[-1] * 1000:.2f} |")
     _print_check(compared, *check_cost(2_000, args.per_step), args.check_batches)
+    print(f"one fruitless search for an explanation: {search_cost():.1f} ms")
     return 0
 
 
