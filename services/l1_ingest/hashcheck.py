@@ -185,20 +185,21 @@ class HashChecker:
                 self._consider(event)
 
     def _consider(self, event: BlockStored) -> None:
+        parent_int = event.parent_block_hash
+        if parent_int is None:
+            parent = _none_hash(self.expected.algo, self.expected.seed)
+        else:  # the commonest case first: a parent never verified (costs no budget)
+            found = self.verified.get(
+                parent_int if type(parent_int) is int else hash_to_int(parent_int))
+            if found is None:
+                return
+            parent = found
         n, size = len(event.block_hashes), event.block_size
         if n == 0 or size <= 0 or len(event.token_ids) != n * size:
             return  # placeholders, masked blocks (sliding window, mamba): not a plain chain
         if tier_for_medium(event.medium) != "l1" or not in_prefix_group(
                 event.group_idx, event.kv_cache_spec_kind):
             return
-        parent_int = event.parent_block_hash
-        if parent_int is None:
-            parent = _none_hash(self.expected.algo, self.expected.seed)
-        else:
-            found = self.verified.get(hash_to_int(parent_int))
-            if found is None:
-                return  # cannot be proven from here: costs no budget
-            parent = found
         k = n if self._tokens >= n else int(self._tokens)
         self._tokens -= k
         self._check(event, parent, k)
