@@ -11,7 +11,7 @@ pipeline, fenced by generation and owner) into the instance's ``ci:{ip}:l1:state
 | ``ingester`` | id of the ingester writing (lease owner, or ``static-<host>-<pid>``) |
 | ``status_ms`` | when this status was written (ms since epoch, the ingester's clock) |
 | ``subscribed_ms`` | when this ingester began following the instance |
-| ``last_event_ms`` | when a batch (live or replayed) last arrived, to the status round (~1 s); absent = none yet |
+| ``last_event_ms`` | last batch (live or replayed) arrival, to ~1 s; absent = none yet |
 | ``conn`` | worst rank: connected, connecting, disconnected, unreachable, retrying |
 | ``conn_detail`` | endpoint or why it is being retried |
 | ``replaying`` | ``1`` while a replay is in flight on any rank |
