@@ -27,6 +27,7 @@ Needs ``redis-server`` on PATH. Prints Markdown.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import subprocess
@@ -97,19 +98,26 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(10)
 
 
+Runs = dict[int, list[tuple[float, float]]]
+
+
 def check_comparison(workdir: Path, url: str, store: Store, batches: int, per_step: int,
-                     rates: list[int], rounds: int) -> dict[int, list[float]]:
-    """Batches/s per hashCheckRate, ``rounds`` alternating runs each on a fresh ingester."""
-    out: dict[int, list[float]] = {rate: [] for rate in rates}
+                     rates: list[int], rounds: int) -> Runs:
+    """Per hashCheckRate, ``rounds`` alternating runs each on a fresh ingester: (batches/s,
+    ingester CPU µs per batch). CPU time is what the check adds; wall-clock throughput on a
+    shared machine mostly measures the other jobs."""
+    out: Runs = {rate: [] for rate in rates}
     for r in range(rounds):
         for rate in rates:
             ingester = _ingester(workdir, url, rate)
             try:
-                t = throughput(store, batches, per_step, uid=f"uid-check-{rate}-{r}")
+                t = throughput(store, batches, per_step, uid=f"uid-check-{rate}-{r}",
+                               pid=ingester.pid)
             finally:
                 _stop(ingester)
             store.remove_instance(IP)
-            out[rate].append(t["batches"] / t["seconds"])
+            out[rate].append((t["batches"] / t["seconds"],
+                              t["ingester_cpu_seconds"] / t["batches"] * 1e6))
     return out
 
 
@@ -190,8 +198,14 @@ def _register(store: Store, sim: SimulatedVLLM, uid: str) -> None:
     _wait(joined, "the ingester to join")
 
 
-def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throughput"
-               ) -> dict[str, float]:  # fmt: skip
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throughput",
+               pid: int | None = None) -> dict[str, float]:
     sim = _sim(batches, 16)
     _register(store, sim, uid)
     workload = Workload("mixed", prompts=256, prompt_len=1024, block_size=16, seed=1)
@@ -205,6 +219,7 @@ def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throug
     n_hashes = sum(len(e.block_hashes) for s in steps for e in s
                    if isinstance(e, (BlockStored, BlockRemoved)))
     payloads_start = sim.last_seq() + 1
+    cpu_start = _cpu_seconds(pid) if pid else 0.0
     started = time.perf_counter()
     for events in steps:
         sim.publishers[0].publish(events)
@@ -213,9 +228,10 @@ def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throug
     last = payloads_start + batches - 1
     _wait(lambda: (store.last_seq(IP, 0) or -1) >= last, "the last batch")
     elapsed = time.perf_counter() - started
+    cpu = _cpu_seconds(pid) - cpu_start if pid else 0.0
     sim.close()
     return {"batches": batches, "events": n_events, "hashes": n_hashes, "seconds": elapsed,
-            "publish_seconds": published}
+            "publish_seconds": published, "ingester_cpu_seconds": cpu}
 
 
 def raw_sadd(client: redis.Redis, members: int) -> float:
@@ -327,15 +343,22 @@ def main() -> int:
     return 0
 
 
-def _print_check(compared: dict[int, list[float]], per_block: float, per_empty: float,
-                 per_scan: float, checked: int, batches: int) -> None:
-    base = sorted(compared[min(compared)])[len(compared[min(compared)]) // 2]
-    print(f"\n| hashCheckRate | batches/s per run ({batches} batches) | median | vs off |")
-    print("|---:|---|---:|---:|")
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _print_check(compared: Runs, per_block: float, per_empty: float, per_scan: float,
+                 checked: int, batches: int) -> None:
+    off = compared[min(compared)]
+    base_rate, base_cpu = _median([r for r, _ in off]), _median([c for _, c in off])
+    print(f"\n| hashCheckRate | batches/s per run ({batches} batches) | median | vs off "
+          "| ingester CPU µs/batch per run | median | vs off |")
+    print("|---:|---|---:|---:|---|---:|---:|")
     for rate, runs in compared.items():
-        median = sorted(runs)[len(runs) // 2]
-        shown = ", ".join(f"{v:,.0f}" for v in runs)
-        print(f"| {rate:,} | {shown} | {median:,.0f} | {median / base - 1:+.1%} |")
+        speed, cpu = _median([r for r, _ in runs]), _median([c for _, c in runs])
+        print(f"| {rate:,} | {', '.join(f'{r:,.0f}' for r, _ in runs)} | {speed:,.0f} | "
+              f"{speed / base_rate - 1:+.1%} | {', '.join(f'{c:,.0f}' for _, c in runs)} | "
+              f"{cpu:,.0f} | {cpu / base_cpu - 1:+.1%} |")
     print(f"\nin-process: {per_block:.1f} µs per checked block ({checked} blocks); per batch "
           f"{per_empty:.2f} µs with the budget spent, {per_scan:.2f} µs with budget left "
           "but nothing checkable")
