@@ -20,6 +20,7 @@ import uuid
 import redis
 
 from common import logs
+from common.blockhash import HashSettings
 from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
 from common.health import Health
@@ -61,6 +62,13 @@ def main(argv: list[str]) -> int:
         return 2
     logs.configure(cfg.log.level, cfg.log.format)
     l1 = cfg.ingest.l1
+    bk = cfg.block_key
+    try:
+        settings = HashSettings.from_strings(bk.prefix_caching_hash_algo, bk.python_hash_seed,
+                                             bk.vllm_version)
+    except ConfigError as exc:
+        print(f"cache-indexer l1-ingest: {exc}", file=sys.stderr)
+        return 2
     metrics = IngestMetrics()
     health = Health(cfg.metrics.liveness_timeout)
     port = cfg.metrics.port if args.metrics_port is None else args.metrics_port
@@ -76,7 +84,8 @@ def main(argv: list[str]) -> int:
         f"static shard {shard}/{shards}" if static else f"lease mode, ttl {l1.lease_ttl}s")
     stop = threading.Event()
     install_signal_handlers(stop)
-    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner, health=health)
+    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner, health=health,
+                            hash_settings=settings, ingester=ingester_id)
     thread = threading.Thread(target=subscriber.run, args=(stop,), name="subscriber")
     thread.start()
     interval = 1.0 if static else min(1.0, l1.heartbeat_interval)

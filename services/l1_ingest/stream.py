@@ -35,7 +35,7 @@ import zmq
 
 from common.errors import NotABatchError
 from common.lifecycle import StateLog
-from common.events import decode_batch
+from common.events import Event, decode_batch
 from common.store import Instance, Store, TierOps
 from services.l1_ingest.apply import (
     APPLY,
@@ -51,6 +51,7 @@ from services.l1_ingest.apply import (
 )
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.replay import ReplayRequest
+from services.l1_ingest.status import InstanceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,11 @@ class RankStream:
 
     def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
                  *, owner: str, gap_policy: str, replay_timeout: float,
-                 metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None) -> None:
+                 metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None,
+                 status: InstanceStatus | None = None) -> None:
         self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
         self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
-        self.metrics = metrics
+        self.metrics, self.status = metrics, status
         self.name = f"{inst.ip}/r{rank}"
         self.replay_endpoint = rank_endpoint(inst.replay_endpoint, rank)
         self.cursor = Cursor(applied=store.last_seq(inst.ip, rank))
@@ -114,6 +116,8 @@ class RankStream:
             self._start_replay(self._replay_start(), None)
 
     def on_live(self, seq: int, payload: bytes) -> None:
+        if self.status is not None:
+            self.status.batches += 1
         verdict = classify(self.cursor, seq)
         if verdict == RESTART:
             logger.warning("%s: sequence went back from %s to %d: publisher restarted, "
@@ -140,6 +144,8 @@ class RankStream:
             return
         self.metrics.replays.inc(result="complete" if replay.complete else "timeout")
         batches = sorted(replay.batches, key=lambda b: b[0])
+        if self.status is not None:
+            self.status.batches += len(batches)
         held, self.pending = self.pending, None
         logger.info("%s: replay from %d returned %d batches%s", self.name, replay.start_seq,
                     len(batches), "" if replay.complete else " before timing out")
@@ -227,7 +233,7 @@ class RankStream:
             self._write(step)
 
     def _write(self, step: Step) -> None:
-        plan = self._plan(step)
+        plan, events = self._plan(step)
         reset = self.cursor.reset_pending
         gap = False
         if step.gap_before:
@@ -247,6 +253,8 @@ class RankStream:
             self.cursor.mark_applied(step.seq)
             self.digest = (step.seq, payload_digest(step.payload))
             self._count(plan)
+            if self.status is not None and self.status.checker is not None:
+                self.status.checker.offer(events)
         elif result.status == "duplicate":
             self.cursor.applied = self.store.last_seq(self.inst.ip, self.rank)
         else:
@@ -254,18 +262,18 @@ class RankStream:
             logger.error("%s: write of seq %d refused (%s): stopping this subscription",
                          self.name, step.seq, result.status)
 
-    def _plan(self, step: Step) -> Plan:
+    def _plan(self, step: Step) -> tuple[Plan, list[Event]]:
         try:
             batch = decode_batch(step.payload)
         except NotABatchError as exc:
             logger.error("%s: seq %d is not an event batch (%d bytes): %s",
                          self.name, step.seq, len(step.payload), exc)
             self.metrics.malformed_frames.inc(reason=exc.reason)
-            return Plan(TierOps())
+            return Plan(TierOps()), []
         for skipped in batch.skipped:
             logger.error("%s: seq %d event %d skipped (%s): %s",
                          self.name, step.seq, skipped.index, skipped.reason, skipped.detail)
-        return plan_ops(batch)
+        return plan_ops(batch), batch.events
 
     def _count(self, plan: Plan) -> None:
         for (kind, outcome), n in plan.outcomes.items():

@@ -16,6 +16,7 @@ import redis
 import yaml
 import zmq
 
+from common.blockhash import HashSettings
 from common.config import IngestL1, parse_duration
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
@@ -62,18 +63,22 @@ def l1_config(**overrides: str) -> IngestL1:
         on_unrecoverable_gap=raw.get("onUnrecoverableGap", "keep"),
         lease_ttl=parse_duration(raw["leaseTTL"]),
         heartbeat_interval=parse_duration(raw["heartbeatInterval"]),
-        replay_timeout=parse_duration(raw["replayTimeout"]))
+        replay_timeout=parse_duration(raw["replayTimeout"]),
+        hash_check_rate=int(raw.get("hashCheckRate", "1000")),
+        no_events_after=parse_duration(raw.get("noEventsAfter", "30s")))
 
 
 class InProcessIngester:
     """Subscriber + static assignment loop in threads of the test process."""
 
-    def __init__(self, client: redis.Redis, **overrides: str) -> None:
+    def __init__(self, client: redis.Redis, hash_settings: HashSettings | None = None,
+                 **overrides: str) -> None:
         self.store = Store(client)
         self.metrics = IngestMetrics()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.subscriber = Subscriber(self.store, l1_config(**overrides), self.metrics,
-                                     ctx=self.ctx)
+                                     ctx=self.ctx, hash_settings=hash_settings,
+                                     ingester="in-process")
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._assign, daemon=True)]
         self.threads[0].start()
