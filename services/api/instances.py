@@ -9,13 +9,16 @@ scrape time from Redis rather than summed over workers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import falcon
 import orjson
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from common.metrics import Registry
 from common.status_report import STATES, Limits, StatusReader, build_report
 from services.api.api_metrics import ApiMetrics
 
@@ -43,52 +46,70 @@ class InstancesResource:
 
 
 def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) -> str:
-    """Prometheus text of the per-instance and per-master gauges ('' if Redis fails)."""
+    """Prometheus text of the per-instance and per-master gauges ('' if Redis fails).
+
+    Built as metric families on a throw-away registry: they hold no value objects, so in
+    the gunicorn workers' multiprocess mode nothing is written to the shared value files
+    (scrape-time gauges there would be summed with stale copies from every worker)."""
     try:
         report = build_report(reader.read(), limits)
     except redis.RedisError as exc:
         metrics.redis_errors.inc(op="metrics")
         logger.warning("cannot read the instances' status for /metrics: %s", exc)
         return ""
-    r = Registry()
-    state = r.gauge("cache_indexer_instance_l1_state",
-                    "1 for the instance's current L1 state (see GET /kv-cache/instances)",
-                    ("server_ip", "state"))  # fmt: skip
-    check = r.gauge("cache_indexer_instance_l1_hash_check",
-                    "1 for the instance's block-hash self-check result", ("server_ip", "result"))
-    blocks = r.gauge("cache_indexer_instance_blocks", "blocks indexed per instance and tier",
-                     ("server_ip", "tier"))  # fmt: skip
-    age = r.gauge("cache_indexer_instance_l1_last_event_age_seconds",
-                  "seconds since the instance's last KV-event batch arrived", ("server_ip",))
+    state = GaugeMetricFamily("cache_indexer_instance_l1_state",
+                              "1 for the instance's current L1 state (see GET /kv-cache/instances)",
+                              labels=("server_ip", "state"))
+    check = GaugeMetricFamily("cache_indexer_instance_l1_hash_check",
+                              "1 for the instance's block-hash self-check result",
+                              labels=("server_ip", "result"))
+    blocks = GaugeMetricFamily("cache_indexer_instance_blocks",
+                               "blocks indexed per instance and tier", labels=("server_ip", "tier"))
+    age = GaugeMetricFamily("cache_indexer_instance_l1_last_event_age_seconds",
+                            "seconds since the instance's last KV-event batch arrived",
+                            labels=("server_ip",))
     for inst in report["instances"]:
         ip, l1 = inst["server_ip"], inst["l1"]
         for name in STATES:
-            state.set(1 if l1["state"] == name else 0, server_ip=ip, state=name)
+            state.add_metric((ip, name), 1 if l1["state"] == name else 0)
         for name in _HASH_CHECKS:
-            check.set(1 if l1["hash_check"] == name else 0, server_ip=ip, result=name)
-        blocks.set(l1["blocks"], server_ip=ip, tier="l1")
+            check.add_metric((ip, name), 1 if l1["hash_check"] == name else 0)
+        blocks.add_metric((ip, "l1"), l1["blocks"])
         if inst["l3"]["blocks"] is not None:
-            blocks.set(inst["l3"]["blocks"], server_ip=ip, tier="l3")
+            blocks.add_metric((ip, "l3"), inst["l3"]["blocks"])
         if l1["last_event_age_s"] is not None:
-            age.set(l1["last_event_age_s"], server_ip=ip)
-    _master_metrics(r, report["masters"])
-    return r.render()
+            age.add_metric((ip,), l1["last_event_age_s"])
+    families = [state, check, blocks, age, *_master_metrics(report["masters"])]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
 
 
-def _master_metrics(r: Registry, masters: list[dict[str, Any]]) -> None:
-    keys = r.gauge("cache_indexer_master_keys", "keys in the master's last listing", ("url",))
-    unparsed = r.gauge("cache_indexer_master_keys_unparsed",
-                       "keys of the master's last listing that parse as no known family",
-                       ("url",))  # fmt: skip
-    age = r.gauge("cache_indexer_master_poll_age_seconds",
-                  "seconds since the master was last polled successfully", ("url",))
-    stale = r.gauge("cache_indexer_master_stale", "1 when the master's blocks were dropped "
-                    "as stale (ingest.l3.staleAfter)", ("url",))  # fmt: skip
+class _Families(Collector):
+    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self.families)
+
+
+def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
+    keys = GaugeMetricFamily("cache_indexer_master_keys", "keys in the master's last listing",
+                             labels=("url",))
+    unparsed = GaugeMetricFamily(
+        "cache_indexer_master_keys_unparsed",
+        "keys of the master's last listing that parse as no known family", labels=("url",))
+    age = GaugeMetricFamily("cache_indexer_master_poll_age_seconds",
+                            "seconds since the master was last polled successfully",
+                            labels=("url",))
+    stale = GaugeMetricFamily("cache_indexer_master_stale", "1 when the master's blocks were "
+                              "dropped as stale (ingest.l3.staleAfter)", labels=("url",))
     for m in masters:
         url = m["url"]
         if m["keys"] is not None:
-            keys.set(m["keys"], url=url)
-            unparsed.set(m["keys_unparsed"], url=url)
+            keys.add_metric((url,), m["keys"])
+            unparsed.add_metric((url,), m["keys_unparsed"])
         if m["age_s"] is not None:
-            age.set(m["age_s"], url=url)
-        stale.set(1 if m["stale"] else 0, url=url)
+            age.add_metric((url,), m["age_s"])
+        stale.add_metric((url,), 1 if m["stale"] else 0)
+    return [keys, unparsed, age, stale]

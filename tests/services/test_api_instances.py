@@ -164,9 +164,9 @@ def test_redis_down_is_a_500_and_metrics_still_answer() -> None:
 def test_metrics_show_instance_states_and_master_keys(any_store: Store) -> None:
     populate(any_store)
     text = _client(any_store).simulate_get("/metrics").text
-    assert 'cache_indexer_instance_l1_state{server_ip="10.0.0.5",state="synced"} 1' in text
-    assert 'cache_indexer_instance_l1_state{server_ip="10.0.0.6",state="unassigned"} 1' in text
-    assert 'cache_indexer_instance_l1_hash_check{server_ip="10.0.0.5",result="mismatch"} 1' \
+    assert 'cache_indexer_instance_l1_state{server_ip="10.0.0.5",state="synced"} 1.0' in text
+    assert 'cache_indexer_instance_l1_state{server_ip="10.0.0.6",state="unassigned"} 1.0' in text
+    assert 'cache_indexer_instance_l1_hash_check{result="mismatch",server_ip="10.0.0.5"} 1.0' \
         in text
-    assert f'cache_indexer_master_keys_unparsed{{url="{URL}"}} 2' in text
-    assert 'cache_indexer_instance_blocks{server_ip="10.0.0.5",tier="l3"} 2' in text
+    assert f'cache_indexer_master_keys_unparsed{{url="{URL}"}} 2.0' in text
+    assert 'cache_indexer_instance_blocks{server_ip="10.0.0.5",tier="l3"} 2.0' in text
