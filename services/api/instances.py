@@ -9,18 +9,18 @@ scrape time from Redis rather than summed over workers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import falcon
 import orjson
 import redis
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from common.status_report import STATES, Limits, StatusReader, build_report
 from services.api.api_metrics import ApiMetrics
+
+if TYPE_CHECKING:
+    from prometheus_client.core import GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,12 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
 
     Built as metric families on a throw-away registry: they hold no value objects, so in
     the gunicorn workers' multiprocess mode nothing is written to the shared value files
-    (scrape-time gauges there would be summed with stale copies from every worker)."""
+    (scrape-time gauges there would be summed with stale copies from every worker).
+    prometheus_client is imported here, in the worker: the gunicorn master must not import
+    it before it has set ``PROMETHEUS_MULTIPROC_DIR`` (:mod:`services.api.api_metrics`)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+
     try:
         report = build_report(reader.read(), limits)
     except redis.RedisError as exc:
@@ -85,15 +90,19 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
     return generate_latest(registry).decode()
 
 
-class _Families(Collector):
+class _Families:
+    """A collector (prometheus_client's protocol: ``collect()``) of ready-made families."""
+
     def __init__(self, families: list[GaugeMetricFamily]) -> None:
         self.families = families
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        return iter(self.families)
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        return self.families
 
 
 def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
+    from prometheus_client.core import GaugeMetricFamily
+
     keys = GaugeMetricFamily("cache_indexer_master_keys", "keys in the master's last listing",
                              labels=("url",))
     unparsed = GaugeMetricFamily(
