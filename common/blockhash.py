@@ -124,6 +124,36 @@ def to_event_int(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def seed_none_hash(algo: str, seed: str) -> bytes:
+    """NONE_HASH for an explicit seed string (no version rules): ``sha256(serialize(seed))``."""
+    return hashlib.sha256(_serialize(algo, seed)).digest()
+
+
+def chain_digests(
+    algo: str, parent: bytes, token_ids: Sequence[int], block_size: int,
+    extra_keys: Sequence[ExtraKeys],
+) -> list[bytes]:
+    """Digests of ``len(extra_keys)`` consecutive full blocks chained from ``parent``, each
+    block with its own extra keys (as an event states them); for checking event hashes.
+    Raises ValueError on a token id vLLM could not hash or too few tokens."""
+    _check_block_size(block_size)
+    if len(token_ids) < len(extra_keys) * block_size:
+        raise ValueError("fewer tokens than blocks to hash")
+    digests: list[bytes] = []
+    for i, extra in enumerate(extra_keys):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        if algo == "sha256":
+            ids = tuple(cbor.plain_ids(block, 1 << 64))
+            preimage = pickle.dumps((parent, ids, extra), protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            body = b"".join(cbor.encode_ids(block, 1 << 64))
+            preimage = b"".join((cbor.PREIMAGE_HEAD, parent, cbor.head(4, block_size), body,
+                                 cbor.encode(extra)))  # fmt: skip
+        parent = hashlib.sha256(preimage).digest()
+        digests.append(parent)
+    return digests
+
+
 def _serialize(algo: str, obj: object) -> bytes:
     if algo == "sha256":
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

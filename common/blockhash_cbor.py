@@ -35,9 +35,16 @@ def head(major: int, value: int) -> bytes:
 
 
 def encode(obj: object) -> bytes:
-    """Canonical CBOR of the non-token shapes vLLM hashes: str, tuple, None."""
+    """Canonical CBOR of the non-token shapes vLLM hashes: str, tuple, None, and (in extra
+    keys taken from events) int, bytes and bool."""
     if obj is None:
         return NULL
+    if isinstance(obj, bool):
+        return b"\xf5" if obj else b"\xf4"
+    if isinstance(obj, int):
+        return head(0, obj) if obj >= 0 else head(1, -1 - obj)
+    if isinstance(obj, bytes):
+        return head(2, len(obj)) + obj
     if isinstance(obj, str):
         data = obj.encode("utf-8")  # a lone surrogate raises ValueError, as in cbor2
         return head(3, len(data)) + data

@@ -186,6 +186,8 @@ class IngestL1:
     lease_ttl: Duration = _f(Duration(5), "leaseTTL")
     heartbeat_interval: Duration = _f(Duration(1))
     replay_timeout: Duration = _f(Duration(5))
+    hash_check_rate: int = 100
+    no_events_after: Duration = _f(Duration(30))
 
 
 KEY_FORMATS = ("vllm", "vllm-ascend")
@@ -334,6 +336,7 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         ("http.workers", cfg.http.workers),
         ("http.threads", cfg.http.threads),
         ("ingest.l3.batchSize", cfg.ingest.l3.batch_size),
+        ("ingest.l1.noEventsAfter", cfg.ingest.l1.no_events_after),
     ):
         if value <= 0:
             problems.append(f"{dotted}: must be > 0, got {value}")
@@ -342,6 +345,8 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     l1 = cfg.ingest.l1
     if not 0 < l1.heartbeat_interval <= l1.lease_ttl / 2:
         problems.append("ingest.l1.heartbeatInterval: must be > 0 and at most half of leaseTTL")
+    if cfg.ingest.l1.hash_check_rate < 0:
+        problems.append("ingest.l1.hashCheckRate: must be >= 0 (0 = off)")
     if cfg.ingest.l3.poll_interval <= 0:
         problems.append("ingest.l3.pollInterval: must be > 0")
     if cfg.metrics.liveness_timeout <= 0:

@@ -28,15 +28,15 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:{ip}:l1:copies            | HASH   | L1 ingester       | tools                    | sparse: hash → per-rank copies "c0,c1,…" only when not exactly one copy on rank 0 |
 | ci:{ip}:l2 (…:copies)        | as l1  | L1 ingester       | tools                    | same, for non-GPU media in the event stream (CPU / STORAGE offload) |
 | ci:{ip}:l1:cnt, …:l1:r<rank> | HASH   | (legacy layout)   | –                        | before the copies hash; found by the scripts, dropped, instance re-synced |
-| ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, tools       | seq:<rank> last applied sequence; gap:<rank> unrecoverable gaps |
-| ci:{ip}:l1:owner             | STRING | L1 ingester       | store scripts            | lease (PX): id of the ingester that may write this instance |
+| ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, API, tools  | seq:<rank> last applied sequence; gap:<rank> unrecoverable gaps; ingester status: ingester, status_ms, subscribed_ms, last_event_ms, conn, conn_detail, replaying, hash_check, hash_check_ok, hash_check_mismatch, hash_check_detail |
+| ci:{ip}:l1:owner             | STRING | L1 ingester       | store scripts, API       | lease (PX): id of the ingester that may write this instance |
 | ci:{ip}:l3                   | SET    | L3 poller         | API (SMISMEMBER)         | block hashes held in Mooncake, replaced whole per poll |
 | ci:{ip}:l3:new               | SET    | L3 poller         | –                        | staging for the next ``ci:{ip}:l3``; renamed over it |
-| ci:{ip}:l3:state             | HASH   | L3 poller         | tools                    | master, updated_ms, blocks, stale |
-| ci:masters                   | HASH   | discovery         | L3 poller                | master URL → JSON (pod, ip, rpc) |
+| ci:{ip}:l3:state             | HASH   | L3 poller         | API, tools               | master, updated_ms, blocks, stale |
+| ci:masters                   | HASH   | discovery         | L3 poller, API           | master URL → JSON (pod, ip, rpc) |
 | ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: keys, keys_unparsed, sample_unparsed, blocks, updated_ms, stale, error |
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
-| ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters             | live ingester id → heartbeat expiry (ms since epoch) |
+| ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters, API        | live ingester id → heartbeat expiry (ms since epoch) |
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ section. Every object is a frozen dataclass built by its ``from_config`` classme
   ``redis.*``, and ``--metrics-port``;
 * :class:`DiscoverySettings`: ``discovery.*``, its reconnect backoff from
   ``ingest.l1.backoffInitial``/``backoffMax``, the master URL scheme from ``ingest.l3.scheme``;
-* :class:`L1IngestSettings`: ``ingest.l1.*``;
+* :class:`L1IngestSettings`: ``ingest.l1.*`` and ``blockKey.*`` (the hash self-check);
 * :class:`L3PollerSettings`: ``ingest.l3.*`` and ``discovery.segmentsFetchTimeout``;
-* :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`)
-  and ``log.level`` (gunicorn's own log level).
+* :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`),
+  ``ingest.l1.noEventsAfter``/``leaseTTL`` (the instance states it reports) and ``log.level``
+  (gunicorn's own log level).
 
 The cross-section keys keep the original's meaning (the drop-in contract): in the Go
 service ``ingest.l1.backoff*`` is the reconnect backoff of every watcher, ``ingest.l3.scheme``
@@ -37,6 +38,7 @@ from common.config import (
     Redis,
     Static,
 )
+from common.status_report import Limits
 
 DiscoveryMode = Literal["kubernetes", "static"]
 GapPolicy = Literal["keep", "clear"]
@@ -108,16 +110,23 @@ class L1IngestSettings:
     replay_timeout: float = 5.0
     backoff_initial: float = 1.0
     backoff_max: float = 30.0
+    hash_check_rate: int = 100
+    """Self-checked batches per second and instance (0 = off)."""
+    no_events_after: float = 30.0
+    hash: HashSettings = HashSettings()
+    """How the vLLM instances hash blocks (``blockKey``), for the hash self-check."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> L1IngestSettings:
+        """Raises ConfigError for block-key values that cannot be hashed with."""
         l1 = cfg.ingest.l1
         return cls(
             topic=l1.topic, on_unrecoverable_gap=cast(GapPolicy, l1.on_unrecoverable_gap),
             shard_mode=cast(ShardMode, l1.shard_mode), lease_ttl=float(l1.lease_ttl),
             heartbeat_interval=float(l1.heartbeat_interval),
             replay_timeout=float(l1.replay_timeout), backoff_initial=float(l1.backoff_initial),
-            backoff_max=float(l1.backoff_max))
+            backoff_max=float(l1.backoff_max), hash_check_rate=l1.hash_check_rate,
+            no_events_after=float(l1.no_events_after), hash=hash_settings(cfg))
 
 
 @dataclass(frozen=True)
@@ -163,13 +172,15 @@ class ApiSettings:
     max_hit_rate_body_bytes: int = 4194304
     max_candidates: int = 1024
     hash: HashSettings = HashSettings()
+    instance_limits: Limits = Limits()
+    """What ``GET /kv-cache/instances`` judges the ingesters' reports by."""
     log_level: str = "info"
     """gunicorn's own log level (the process's ``log.level``)."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ApiSettings:
         """Raises ConfigError for block-key values that cannot be hashed with."""
-        h, bk = cfg.http, cfg.block_key
+        h = cfg.http
         return cls(
             addr=h.addr, workers=h.workers, threads=h.threads,
             shutdown_timeout=float(h.shutdown_timeout),
@@ -177,6 +188,18 @@ class ApiSettings:
             write_timeout=float(h.write_timeout), idle_timeout=float(h.idle_timeout),
             max_header_bytes=h.max_header_bytes,
             max_hit_rate_body_bytes=h.max_hit_rate_body_bytes, max_candidates=h.max_candidates,
-            hash=HashSettings.from_strings(
-                bk.prefix_caching_hash_algo, bk.python_hash_seed, bk.vllm_version),
-            log_level=cfg.log.level)
+            hash=hash_settings(cfg), instance_limits=instance_limits(cfg), log_level=cfg.log.level)
+
+
+def hash_settings(cfg: Config) -> HashSettings:
+    """``blockKey`` as the block hasher takes it; raises ConfigError."""
+    bk = cfg.block_key
+    return HashSettings.from_strings(bk.prefix_caching_hash_algo, bk.python_hash_seed,
+                                     bk.vllm_version)
+
+
+def instance_limits(cfg: Config) -> Limits:
+    """What an instance's state is judged by (the API's instances report, ``inspect``): the
+    ingesters' ``ingest.l1.noEventsAfter`` and ``leaseTTL``."""
+    l1 = cfg.ingest.l1
+    return Limits(no_events_after=float(l1.no_events_after), lease_ttl=float(l1.lease_ttl))

@@ -117,6 +117,17 @@ class TierOps:
         return out
 
 
+@dataclass
+class L1Status:
+    """One instance's status write: fields to set and counters to increment (l1 state hash)."""
+
+    ip: str
+    gen: int
+    owner: str
+    fields: dict[str, str]
+    incr: dict[str, int] = field(default_factory=dict)
+
+
 _STATUS = {1: BatchStatus.APPLIED, 0: BatchStatus.DUPLICATE, -1: BatchStatus.STALE_GEN,
            -2: BatchStatus.NOT_OWNER}
 
@@ -147,6 +158,7 @@ class Store:
         self._apply = client.register_script(store_lua.APPLY_BATCH)
         self._replace_l3 = client.register_script(store_lua.REPLACE_L3)
         self._touch_l3 = client.register_script(store_lua.TOUCH_L3)
+        self._l1_status = client.register_script(store_lua.L1_STATUS)
         self._claim = client.register_script(store_lua.CLAIM_LEASE)
         self._release = client.register_script(store_lua.RELEASE_LEASE)
         self._heartbeat = client.register_script(store_lua.HEARTBEAT)
@@ -251,6 +263,18 @@ class Store:
         status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
         return ApplyResult(
             _STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared))
+
+    def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]:
+        """Write the ingester's status of several instances in one pipeline, each fenced by
+        generation and owner like :meth:`apply_batch`; False where it was refused."""
+        pipe = self.r.pipeline(transaction=False)
+        for u in updates:
+            argv: list[Any] = [*_rank_prefixes(u.ip), u.gen, u.owner, len(u.fields)]
+            for pairs in (u.fields, u.incr):
+                for k, v in pairs.items():
+                    argv += [k, v]
+            self._l1_status(keys=_instance_keys(u.ip), args=argv, client=pipe)
+        return [bool(int(r)) for r in pipe.execute()] if updates else []
 
     def last_seq(self, ip: str, rank: int) -> int | None:
         value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")

@@ -239,6 +239,19 @@ redis.call('HSET', KEYS[3], seqf, ARGV[6])
 return {1, stored, removed, unknown, cleared}
 """
 
+L1_STATUS = r"""
+-- KEYS as above; ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] number of field,
+-- value pairs to set, then those pairs, then field, increment pairs (counters).
+-- The ingester's status of the instance (connection, replay, hash self-check) lives in the
+-- l1 state hash next to seq:<rank>; fenced like apply_batch. 1 written, 0 refused.
+if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end
+if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return 0 end
+local n = tonumber(ARGV[5])
+if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, 6, 5 + 2 * n)) end
+for i = 6 + 2 * n, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
 REPLACE_L3 = r"""
 -- KEYS as above; ARGV[3] the generation the data was computed for ('' = any registered),
 -- ARGV[4..] field, value pairs for the l3 state hash.

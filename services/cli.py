@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local-stack": ("services.tools.local_stack", "run the whole system locally"),
     "hash": ("services.tools.hash_cmd", "print vLLM block hashes of token ids on stdin"),
     "decode": ("services.tools.decode_cmd", "decode one KV-event payload on stdin"),
+    "inspect": ("services.tools.inspect_cmd", "every instance's freshness, hash check and L3"),
 }
 
 

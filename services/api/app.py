@@ -5,7 +5,8 @@ their own; :func:`get_app` / :func:`build_app` make the real ones from the API's
 (:class:`common.settings.ApiSettings`) in a gunicorn worker, after the fork (a Redis
 connection pool must not cross a fork).
 
-Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET /healthz``
+Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET
+/kv-cache/instances`` (:mod:`services.api.instances`), ``GET /healthz``
 (liveness: answers while the process serves), ``GET /readyz`` (Redis PING; 503 with a
 reason if it fails), ``GET /metrics`` (Prometheus text, summed over workers). Every error —
 ours, Falcon's 404/405, an unexpected exception — is JSON: on the hit-rate path in the
@@ -29,9 +30,10 @@ from common.errors import RequestError
 from common.redis_client import Client, connect
 from common.settings import ApiSettings
 from common.store import Store
-from services.api import hit_rate
-from services.api import api_metrics
+from common.status_report import Limits, StatusReader
+from services.api import api_metrics, hit_rate, instances
 from services.api.api_metrics import ApiMetrics
+from services.api.instances import status_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +62,13 @@ class _Ready:
 
 
 class _Metrics:
-    def __init__(self, metrics: ApiMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: ApiMetrics, reader: StatusReader, limits: Limits) -> None:
+        self.metrics, self.reader, self.limits = metrics, reader, limits
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
-        resp.data = self.metrics.render()
+        status = status_metrics(self.reader, self.limits, self.metrics)  # may count an error
+        resp.data = self.metrics.render() + status.encode()
 
 
 class _RequestMetrics:
@@ -132,9 +135,12 @@ def create_app(settings: ApiSettings, store: Store, hasher: hit_rate.Hasher,
     app: App = falcon.App(middleware=middleware)
     app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
         store, hasher, metrics, settings.max_hit_rate_body_bytes, settings.max_candidates))
+    reader = StatusReader(store.r)
+    limits = settings.instance_limits
+    app.add_route(instances.PATH, instances.InstancesResource(reader, limits, metrics))
     app.add_route("/healthz", _Health())
     app.add_route("/readyz", _Ready(store, metrics))
-    app.add_route("/metrics", _Metrics(metrics))
+    app.add_route("/metrics", _Metrics(metrics, reader, limits))
     app.add_error_handler(Exception, _unexpected_error)
     app.add_error_handler(RequestError, _request_error)
     app.set_error_serializer(_serialize_http_error)

@@ -77,7 +77,8 @@ def _run(proc: shell.Process[_Setup]) -> None:
     logging.getLogger(__name__).info(
         "l1-ingest %s: %s", s.ingester_id,
         f"static shard {s.shard}/{s.shards}" if s.static else f"lease mode, ttl {l1.lease_ttl}s")
-    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner, health=proc.health)
+    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner, health=proc.health,
+                            ingester=s.ingester_id)
     thread = threading.Thread(target=subscriber.run, args=(proc.stop,), name="subscriber")
     thread.start()
     proc.on_exit(thread.join)

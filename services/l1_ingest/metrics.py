@@ -50,3 +50,17 @@ class IngestMetrics:
         self.subscribed = r.gauge(
             "cache_indexer_l1_subscribed_ranks",
             "instance ranks this ingester subscribes to")
+        self.hash_checks = r.counter(
+            "cache_indexer_l1_hash_check_total",
+            "blocks whose hash was recomputed by the self-check, by result (ok, mismatch)",
+            ("result",))
+        self.hash_check_unchecked = r.counter(
+            "cache_indexer_l1_hash_check_unchecked_total",
+            "sampled events the self-check could not verify, by reason", ("reason",))
+        self.hash_check_hints = r.counter(
+            "cache_indexer_l1_hash_check_hint_total",
+            "mismatches explained by another setting (counted once per change and instance)",
+            ("seed", "algo", "extra_keys"))
+        self.status_writes = r.counter(
+            "cache_indexer_l1_status_writes_total",
+            "per-instance status writes to Redis, by result (ok, refused, error)", ("result",))

@@ -38,13 +38,14 @@ import time
 import zmq
 
 from common.errors import FencedError, NotABatchError
-from common.events import decode_batch
+from common.events import Event, decode_batch
 from common.lifecycle import StateLog
 from common.settings import GapPolicy
 from common.store import ApplyResult, BatchStatus, Instance, Store, TierOps
 from services.l1_ingest.apply import Cursor, Plan, Step, Verdict, classify, plan_ops, plan_run
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.replay import ReplayRequest
+from services.l1_ingest.status import InstanceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,11 @@ class RankStream:
 
     def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
                  *, owner: str, gap_policy: GapPolicy, replay_timeout: float,
-                 metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None) -> None:
+                 metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None,
+                 status: InstanceStatus | None = None) -> None:
         self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
         self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
-        self.metrics = metrics
+        self.metrics, self.status = metrics, status
         self.name = f"{inst.ip}/r{rank}"
         self.replay_endpoint = rank_endpoint(inst.replay_endpoint, rank)
         self.cursor = Cursor(applied=store.last_seq(inst.ip, rank))
@@ -107,6 +109,8 @@ class RankStream:
             self._start_replay(self._replay_start(), None)
 
     def on_live(self, seq: int, payload: bytes) -> None:
+        if self.status is not None:
+            self.status.batches += 1
         verdict = classify(self.cursor, seq)
         if verdict is Verdict.RESTART:
             logger.warning("%s: sequence went back from %s to %d: publisher restarted, "
@@ -118,7 +122,7 @@ class RankStream:
         live_max = self.cursor.live_max
         self.cursor.live_max = seq if live_max is None else max(seq, live_max)
         if verdict is Verdict.DUPLICATE:
-            self.metrics.batches.inc(result="duplicate")
+            self.metrics.batches.inc(result=BatchStatus.DUPLICATE)
             return
         if verdict is Verdict.GAP and self._start_replay(self._replay_start(), (seq, payload)):
             logger.info("%s: gap before seq %d (last applied %s): replaying",
@@ -133,6 +137,8 @@ class RankStream:
             return
         self.metrics.replays.inc(result="complete" if replay.complete else "timeout")
         batches = sorted(replay.batches, key=lambda b: b[0])
+        if self.status is not None:
+            self.status.batches += len(batches)
         held, self.pending = self.pending, None
         logger.info("%s: replay from %d returned %d batches%s", self.name, replay.start_seq,
                     len(batches), "" if replay.complete else " before timing out")
@@ -209,7 +215,7 @@ class RankStream:
         """Write batches in sequence order; count the gap (if one was seen) by its outcome."""
         steps, dropped = plan_run(self.cursor.applied, batches)
         if dropped:
-            self.metrics.batches.inc(dropped, result="duplicate")
+            self.metrics.batches.inc(dropped, result=BatchStatus.DUPLICATE)
         unfilled = any(step.gap_before for step in steps)
         if counting_gap and not unfilled:
             self.metrics.gaps.inc(outcome="recovered")
@@ -217,7 +223,7 @@ class RankStream:
             self._write(step)  # FencedError ends the run: the rest would be refused too
 
     def _write(self, step: Step) -> None:
-        plan = self._plan(step)
+        plan, events = self._plan(step)
         reset = self.cursor.reset_pending
         gap = False
         if step.gap_before:
@@ -237,6 +243,8 @@ class RankStream:
             self.cursor.mark_applied(step.seq)
             self.digest = (step.seq, payload_digest(step.payload))
             self._count(plan)
+            if self.status is not None and self.status.checker is not None:
+                self.status.checker.offer(events)
         elif result.status is BatchStatus.DUPLICATE:
             self.cursor.applied = self.store.last_seq(self.inst.ip, self.rank)
         else:
@@ -248,18 +256,18 @@ class RankStream:
         return FencedError(f"{self.name}: {what} was refused ({result.status})",
                            result.status)
 
-    def _plan(self, step: Step) -> Plan:
+    def _plan(self, step: Step) -> tuple[Plan, list[Event]]:
         try:
             batch = decode_batch(step.payload)
         except NotABatchError as exc:
             logger.error("%s: seq %d is not an event batch (%d bytes): %s",
                          self.name, step.seq, len(step.payload), exc)
             self.metrics.malformed_frames.inc(reason=exc.reason)
-            return Plan(TierOps())
+            return Plan(TierOps()), []
         for skipped in batch.skipped:
             logger.error("%s: seq %d event %d skipped (%s): %s",
                          self.name, step.seq, skipped.index, skipped.reason, skipped.detail)
-        return plan_ops(batch)
+        return plan_ops(batch), batch.events
 
     def _count(self, plan: Plan) -> None:
         for (kind, outcome), n in plan.outcomes.items():

@@ -40,11 +40,14 @@ from common.lifecycle import Backoff, StateLog
 from common.settings import L1IngestSettings
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
+from services.l1_ingest.status import ConnRound, StatusBoard, worst
 from services.l1_ingest.stream import RankStream, rank_endpoint
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 250
+STATUS_INTERVAL = 1.0
+"""Seconds between two writes of the instances' status (at most; see heartbeatInterval)."""
 DRAIN_MAX = 500
 """Messages read from one socket per poll round, so a busy instance cannot starve others."""
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
@@ -87,7 +90,7 @@ class Subscriber:
 
     def __init__(self, store: Store, cfg: L1IngestSettings, metrics: IngestMetrics, *,
                  owner: str = "", ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 health: Health | None = None) -> None:
+                 health: Health | None = None, ingester: str = "") -> None:
         self.store, self.cfg, self.metrics, self.owner = store, cfg, metrics, owner
         self._beat = (health or Health()).heartbeat("subscriber loop")
         self.ctx = ctx or zmq.Context.instance()
@@ -100,6 +103,9 @@ class Subscriber:
         self._retry: dict[str, tuple[float, Backoff]] = {}
         self._digests: dict[tuple[str, int], tuple[int, int, bytes]] = {}
         """(ip, rank) → (gen, seq, digest) of the last payload applied by a closed session."""
+        self.board = StatusBoard(store, cfg, metrics, owner=owner,
+                                 ingester=ingester or owner or "unnamed")
+        self._status_due = 0.0
         self._poller = zmq.Poller()
         self._dirty = True
         self._idle = threading.Event()  # waited on when run_once is not given a stop event
@@ -128,6 +134,8 @@ class Subscriber:
         self._reconcile()
         if self._dirty:
             self._sync_poller()
+        if time.monotonic() >= self._status_due:
+            self._write_status()
         if not self._poller.sockets:  # poll() would return at once: wait, don't spin
             (stop or self._idle).wait(self._idle_seconds(timeout_ms))
             return
@@ -174,6 +182,7 @@ class Subscriber:
             if ip not in self._active and self._retry.get(ip, (0.0, None))[0] <= now:
                 self._open(inst)
         self._retry = {ip: r for ip, r in self._retry.items() if ip in self._wanted}
+        self.board.prune(self._wanted)
         self._digests = {k: v for k, v in self._digests.items() if k[0] in self._wanted}
 
     def _open(self, inst: Instance) -> None:
@@ -197,7 +206,8 @@ class Subscriber:
             inst, rank, self.store, self.ctx, owner=self.owner,
             gap_policy=self.cfg.on_unrecoverable_gap, replay_timeout=self.cfg.replay_timeout,
             metrics=self.metrics,
-            last_digest=(seq, digest) if gen == inst.gen and seq is not None else None)
+            last_digest=(seq, digest) if gen == inst.gen and seq is not None else None,
+            status=self.board.of(inst))
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -236,11 +246,29 @@ class Subscriber:
         conn.monitor.close(linger=0)
         conn.sub.close(linger=0)
 
+    # -- status ----------------------------------------------------------------------------
+
+    def _write_status(self) -> None:
+        """Write the status of every wanted instance (one pipeline, see ``status``)."""
+        self._status_due = time.monotonic() + min(STATUS_INTERVAL, self.cfg.heartbeat_interval)
+        rounds = []
+        for ip, inst in self._wanted.items():
+            ranks = [c for (i, _), c in self._conns.items() if i == ip]
+            if ip in self._active and ranks:
+                conn = worst([c.state.state or "connecting" for c in ranks])
+                replaying = any(c.stream.replay is not None for c in ranks)
+                rounds.append(ConnRound(inst, conn, inst.zmq_endpoint, replaying))
+            else:
+                rounds.append(ConnRound(inst, "retrying", "", False))
+        self.board.write(rounds)
+
     def _schedule_retry(self, ip: str, why: str) -> None:
         _, backoff = self._retry.get(ip, (0.0, None))
         backoff = backoff or Backoff(self.cfg.backoff_initial, self.cfg.backoff_max)
         delay = backoff.next_delay()
         self._retry[ip] = (time.monotonic() + delay, backoff)
+        if ip in self._wanted:
+            self.board.of(self._wanted[ip]).retry_reason = why
         logger.warning("instance %s: %s; retrying in %.1fs", ip, why, delay)
 
     # -- poll loop -------------------------------------------------------------------------

@@ -129,11 +129,16 @@ class PrefixCacheModel:
                 self.cached.setdefault(h, []).append(block)
                 new_hashes.append(h)
         if new_hashes:
+            salt = alloc.request.cache_salt
             events.append(BlockStored(
                 block_hashes=new_hashes,
                 parent_block_hash=alloc.hashes[first_new - 1] if first_new else None,
                 token_ids=list(tokens[first_new * size:(first_new + len(new_hashes)) * size]),
                 block_size=size, lora_id=None, medium="GPU", lora_name=None,
+                # vLLM >= 0.17 publishes each block's extra keys; the salt (bare string in
+                # every release's event form) is on the block at token 0 only
+                extra_keys=[[salt] if i == 0 and salt else None
+                            for i in range(first_new, first_new + len(new_hashes))],
                 group_idx=0, kv_cache_spec_kind="full_attention"))
         return True
 

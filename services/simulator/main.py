@@ -59,6 +59,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--warm-prompt", type=int, default=0, metavar="N",
       help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt that "
            "stays cached, for hand-written example requests; 0 = off)")
+    a("--hash-algo", default="sha256_cbor", choices=("sha256_cbor", "sha256"),
+      help="--prefix-caching-hash-algo of the simulated engine")
     a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
     a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
     a("--restart-after", type=int, default=0, help="restart once after N steps")
@@ -78,7 +80,7 @@ def main(argv: list[str]) -> int:
         args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
         block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
         buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed,
-        bind_host=args.bind_host, engine=args.engine)
+        hash_algo=args.hash_algo, bind_host=args.bind_host, engine=args.engine)
     workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
                         block_size=args.block_size, seed=args.seed)
     stop = threading.Event()

@@ -16,6 +16,7 @@ import redis
 import yaml
 import zmq
 
+from common.blockhash import HashSettings
 from common.config import parse_duration
 from common.settings import L1IngestSettings
 from common.store import Instance, Store
@@ -55,7 +56,7 @@ def free_ports(n: int = 1) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def l1_config(**overrides: str) -> L1IngestSettings:
+def l1_config(hash_settings: HashSettings | None = None, **overrides: str) -> L1IngestSettings:
     raw = {**FAST, **overrides}
     return L1IngestSettings(
         backoff_initial=parse_duration(raw["backoffInitial"]),
@@ -63,18 +64,22 @@ def l1_config(**overrides: str) -> L1IngestSettings:
         on_unrecoverable_gap=raw.get("onUnrecoverableGap", "keep"),  # type: ignore[arg-type]
         lease_ttl=parse_duration(raw["leaseTTL"]),
         heartbeat_interval=parse_duration(raw["heartbeatInterval"]),
-        replay_timeout=parse_duration(raw["replayTimeout"]))
+        replay_timeout=parse_duration(raw["replayTimeout"]),
+        hash_check_rate=int(raw.get("hashCheckRate", "1000")),
+        no_events_after=parse_duration(raw.get("noEventsAfter", "30s")),
+        hash=hash_settings or HashSettings())
 
 
 class InProcessIngester:
     """Subscriber + static assignment loop in threads of the test process."""
 
-    def __init__(self, client: redis.Redis, **overrides: str) -> None:
+    def __init__(self, client: redis.Redis, hash_settings: HashSettings | None = None,
+                 **overrides: str) -> None:
         self.store = Store(client)
         self.metrics = IngestMetrics()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.subscriber = Subscriber(self.store, l1_config(**overrides), self.metrics,
-                                     ctx=self.ctx)
+        self.subscriber = Subscriber(self.store, l1_config(hash_settings, **overrides),
+                                     self.metrics, ctx=self.ctx, ingester="in-process")
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._assign, daemon=True)]
         self.threads[0].start()

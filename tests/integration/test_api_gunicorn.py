@@ -101,6 +101,19 @@ def test_hit_rate_over_http(api: Api, redis_srv: RedisServer) -> None:
         {"server_ip": IP, "l1_hit_ratio": 0.7, "l3_hit_ratio": 0.3}], "message": "", "status": 0}
 
 
+def test_instances_over_http(api: Api, redis_srv: RedisServer) -> None:
+    store = Store(redis.Redis.from_url(redis_srv.url))
+    store.upsert_instance(Instance(ip="10.1.0.8", uid="pod-uid-8", pod="vllm-8"))
+    for _ in range(3):  # every worker, whatever registry it saw before, answers in full
+        resp = httpx.get(f"{api.url}/kv-cache/instances")
+        assert resp.status_code == 200
+        doc = resp.json()
+        inst = next(i for i in doc["instances"] if i["server_ip"] == "10.1.0.8")
+        assert inst["pod"] == "vllm-8" and inst["l1"]["state"] == "unassigned"
+        assert doc["masters"] == []
+    assert "cache_indexer_instance_l1_state" in httpx.get(f"{api.url}/metrics").text
+
+
 def test_error_statuses_over_http(api: Api) -> None:
     for method in ("GET", "OPTIONS", "FOO"):
         resp = httpx.request(method, f"{api.url}{PATH}")

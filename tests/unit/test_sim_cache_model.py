@@ -72,3 +72,12 @@ def test_reset_clears_everything_and_too_large_requests_are_rejected() -> None:
     model.step([Request(tuple(range(12)))])
     assert model.reset() == [AllBlocksCleared()] and model.gpu_counts() == {}
     assert model.step([Request(tuple(range(40)))]) == [] and model.rejected == 1
+
+
+def test_stores_carry_each_blocks_extra_keys_like_vllm() -> None:
+    """vLLM >= 0.17 publishes one extra-keys entry per hash; the salt is on block 0 only."""
+    model = PrefixCacheModel(16, 4, HASHER)
+    (first,) = model.step([Request(tuple(range(12)), cache_salt="tenant-a")])
+    assert isinstance(first, BlockStored) and first.extra_keys == [["tenant-a"], None, None]
+    (plain,) = model.step([Request(tuple(range(100, 108)))])
+    assert isinstance(plain, BlockStored) and plain.extra_keys == [None, None]

@@ -1,0 +1,214 @@
+"""The operator's view of every instance and master (``GET /kv-cache/instances``, ``inspect``).
+
+:class:`StatusReader` reads everything in **one pipelined round trip** in steady state: the
+registry (``ci:instances``, ``ci:masters``), the live ingesters, Redis ``TIME`` and, for
+every instance and master it already knows, their status hashes. Registry members it did not
+know yet (new since this reader's previous call) cost one more round trip for those members
+only. No Lua: the reads stay valid on a Redis Cluster.
+
+:func:`build_report` turns the raw hashes into the document; ``l1.state`` is, first match wins:
+
+* ``unassigned`` — no live ingester follows the instance: nobody wrote its status within
+  ``max(ingest.l1.leaseTTL, 3s)``, or its owner lease names an ingester that stopped
+  heartbeating.
+* ``unreachable`` — the ingester cannot reach the publisher (connect retried, disconnected,
+  or subscription being retried after an error).
+* ``replaying`` — a replay is in flight on some rank (catching up after a connect or gap).
+* ``gap`` — an unrecoverable gap was kept (``onUnrecoverableGap: keep``): blocks may be missing
+  or stale until the rank is reset.
+* ``no_events`` — subscribed, but nothing received for ``ingest.l1.noEventsAfter``.
+* ``synced`` — otherwise.
+
+Ages are computed against Redis ``TIME``; ``*_ms`` stamps are the writers' wall clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from common.redis_client import Client
+
+from common import keys
+
+STATES = ("synced", "replaying", "gap", "no_events", "unreachable", "unassigned")
+"""Every ``l1.state`` (the order of the per-instance state gauge)."""
+_PER_IP = ("meta", "l1", "owner", "blocks", "l3")
+_UNREACHABLE = frozenset({"unreachable", "disconnected", "retrying"})
+_MIN_FRESH_S = 3.0
+
+
+@dataclass
+class Raw:
+    """What one read returned (text, decoded)."""
+
+    now_ms: int
+    ingesters: dict[str, int]
+    instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+    masters: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+class StatusReader:
+    """Reads :class:`Raw` for one process; remembers the registry it saw last time."""
+
+    def __init__(self, client: Client) -> None:
+        self.r = client
+        self._ips: list[str] = []
+        self._urls: list[str] = []
+
+    def read(self) -> Raw:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.time()
+        pipe.smembers(keys.INSTANCES)
+        pipe.hkeys(keys.MASTERS)
+        pipe.zrange(keys.INGESTERS, 0, -1, withscores=True)
+        self._queue(pipe, self._ips, self._urls)
+        replies = pipe.execute()
+        (sec, usec), ips, urls, live = replies[:4]
+        raw = Raw(int(sec) * 1000 + int(usec) // 1000,
+                  {_text(m): int(score) for m, score in live})  # fmt: skip
+        ips, urls = sorted(map(_text, ips)), sorted(map(_text, urls))
+        self._collect(raw, self._ips, self._urls, replies[4:])
+        new_ips = [ip for ip in ips if ip not in raw.instances]
+        new_urls = [u for u in urls if u not in raw.masters]
+        if new_ips or new_urls:  # registry grew since the last call: one more round trip
+            pipe = self.r.pipeline(transaction=False)
+            self._queue(pipe, new_ips, new_urls)
+            self._collect(raw, new_ips, new_urls, pipe.execute())
+        raw.instances = {ip: raw.instances[ip] for ip in ips if raw.instances[ip]["meta"]}
+        raw.masters = {u: raw.masters[u] for u in urls}
+        self._ips, self._urls = ips, urls
+        return raw
+
+    @staticmethod
+    def _queue(pipe: Any, ips: list[str], urls: list[str]) -> None:
+        for ip in ips:
+            pipe.hgetall(keys.instance_meta(ip))
+            pipe.hgetall(keys.l1_state(ip))
+            pipe.get(keys.l1_owner(ip))
+            pipe.scard(keys.tier_set(ip, "l1"))
+            pipe.hgetall(keys.l3_state(ip))
+        for url in urls:
+            pipe.hgetall(keys.master_state(url))
+
+    @staticmethod
+    def _collect(raw: Raw, ips: list[str], urls: list[str], replies: list[Any]) -> None:
+        n = len(_PER_IP)
+        for i, ip in enumerate(ips):
+            values = replies[i * n:(i + 1) * n]
+            raw.instances[ip] = {
+                name: (_texts(v) if isinstance(v, dict) else v)
+                for name, v in zip(_PER_IP, values, strict=True)
+            }
+            owner = raw.instances[ip]["owner"]
+            raw.instances[ip]["owner"] = None if owner is None else _text(owner)
+        for j, url in enumerate(urls):
+            raw.masters[url] = _texts(replies[len(ips) * n + j])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The config values the states depend on (seconds)."""
+
+    no_events_after: float = 30.0
+    lease_ttl: float = 5.0
+
+
+def build_report(raw: Raw, limits: Limits) -> dict[str, Any]:
+    """The ``GET /kv-cache/instances`` document."""
+    return {
+        "instances": [_instance(ip, parts, raw, limits) for ip, parts in raw.instances.items()],
+        "masters": [_master(url, state, raw.now_ms) for url, state in raw.masters.items()],
+    }
+
+
+def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[str, Any]:
+    l1: dict[str, str] = parts["l1"]
+    l3: dict[str, str] = parts["l3"]
+    state, why = l1_state(l1, parts["owner"], raw, limits)
+    return {
+        "server_ip": ip,
+        "pod": parts["meta"].get("pod", ""),
+        "l1": {
+            "state": state,
+            "state_detail": why,
+            "blocks": int(parts["blocks"] or 0),
+            "hash_check": l1.get("hash_check", "unchecked"),
+            "hash_check_detail": l1.get("hash_check_detail", ""),
+            "hash_check_ok": _int(l1.get("hash_check_ok")),
+            "hash_check_mismatch": _int(l1.get("hash_check_mismatch")),
+            "last_event_age_s": _age(l1.get("last_event_ms"), raw.now_ms),
+            "gaps": sum(_int(v) for k, v in l1.items() if k.startswith("gap:")),
+            "ingester": parts["owner"] or l1.get("ingester") or None,
+        },
+        "l3": {
+            "blocks": _int(l3.get("blocks")) if l3 else None,
+            "age_s": _age(l3.get("updated_ms"), raw.now_ms),
+            "stale": l3.get("stale") == "1",
+            "master": l3.get("master") or None,
+        },
+    }
+
+
+def l1_state(l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
+             ) -> tuple[str, str]:  # fmt: skip
+    """(state, one-line reason) of an instance's L1 index; see the module docstring."""
+    now = raw.now_ms
+    status_age = _age(l1.get("status_ms"), now)
+    fresh_s = max(limits.lease_ttl, _MIN_FRESH_S)
+    if owner is not None and raw.ingesters.get(owner, 0) <= now:
+        return "unassigned", f"its owner {owner} stopped heartbeating"
+    if status_age is None or status_age > fresh_s:
+        return "unassigned", ("no ingester has reported on it" if status_age is None else
+                              f"no ingester has reported on it for {status_age:.0f}s")
+    conn = l1.get("conn", "")
+    if conn in _UNREACHABLE:
+        return "unreachable", f"{conn}: {l1.get('conn_detail', '')}".rstrip(": ")
+    if l1.get("replaying") == "1":
+        return "replaying", "catching up through the replay endpoint"
+    gaps = sum(_int(v) for k, v in l1.items() if k.startswith("gap:"))
+    if gaps:
+        return "gap", f"{gaps} unrecoverable gap(s) kept: blocks may be missing or stale"
+    quiet = _age(l1.get("last_event_ms") or l1.get("subscribed_ms"), now) or 0.0
+    if quiet > limits.no_events_after:
+        seen = "nothing received" if "last_event_ms" not in l1 else "no batch"
+        return "no_events", f"{seen} for {quiet:.0f}s (noEventsAfter {limits.no_events_after:g}s)"
+    return "synced", ""
+
+
+def _master(url: str, state: dict[str, str], now_ms: int) -> dict[str, Any]:
+    return {
+        "url": url,
+        "keys": _int(state.get("keys")) if state else None,
+        "keys_unparsed": _int(state.get("keys_unparsed")) if state else None,
+        "sample_unparsed": state.get("sample_unparsed") or None,
+        "blocks": _int(state.get("blocks")) if state else None,
+        "age_s": _age(state.get("updated_ms"), now_ms),
+        "stale": state.get("stale") == "1",
+        "error": state.get("error") or None,
+    }
+
+
+def _age(stamp_ms: str | None, now_ms: int) -> float | None:
+    if not stamp_ms:
+        return None
+    try:
+        return round(max(0.0, (now_ms - int(stamp_ms)) / 1000), 3)
+    except ValueError:
+        return None
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _texts(raw: dict[Any, Any]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}

@@ -1,0 +1,124 @@
+"""``GET /kv-cache/instances``: every instance's freshness and hash self-check, every master.
+
+The document is :func:`common.status_report.build_report` over one pipelined Redis read. The
+same read feeds the per-instance and per-master gauges that ``GET /metrics`` appends
+(:func:`status_metrics`): they describe the system, not this worker, so they are computed at
+scrape time from Redis rather than summed over workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import falcon
+import orjson
+import redis
+
+from common.status_report import STATES, Limits, StatusReader, build_report
+from services.api.api_metrics import ApiMetrics
+
+if TYPE_CHECKING:
+    from prometheus_client.core import GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+PATH = "/kv-cache/instances"
+_HASH_CHECKS = ("ok", "mismatch", "unchecked")
+
+
+class InstancesResource:
+    def __init__(self, reader: StatusReader, limits: Limits, metrics: ApiMetrics) -> None:
+        self.reader, self.limits, self.metrics = reader, limits, metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        try:
+            raw = self.reader.read()
+        except redis.RedisError as exc:
+            self.metrics.redis_errors.inc(op="instances")
+            logger.warning("cannot read the instances' status: %s", exc)
+            resp.status = falcon.HTTP_500
+            resp.data = orjson.dumps(
+                {"message": "the state store is unreachable", "status": 500})
+            return
+        resp.data = orjson.dumps(build_report(raw, self.limits))
+
+
+def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) -> str:
+    """Prometheus text of the per-instance and per-master gauges ('' if Redis fails).
+
+    Built as metric families on a throw-away registry: they hold no value objects, so in
+    the gunicorn workers' multiprocess mode nothing is written to the shared value files
+    (scrape-time gauges there would be summed with stale copies from every worker).
+    prometheus_client is imported here, in the worker: the gunicorn master must not import
+    it before it has set ``PROMETHEUS_MULTIPROC_DIR`` (:mod:`services.api.api_metrics`)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+
+    try:
+        report = build_report(reader.read(), limits)
+    except redis.RedisError as exc:
+        metrics.redis_errors.inc(op="metrics")
+        logger.warning("cannot read the instances' status for /metrics: %s", exc)
+        return ""
+    state = GaugeMetricFamily("cache_indexer_instance_l1_state",
+                              "1 for the instance's current L1 state (see GET /kv-cache/instances)",
+                              labels=("server_ip", "state"))
+    check = GaugeMetricFamily("cache_indexer_instance_l1_hash_check",
+                              "1 for the instance's block-hash self-check result",
+                              labels=("server_ip", "result"))
+    blocks = GaugeMetricFamily("cache_indexer_instance_blocks",
+                               "blocks indexed per instance and tier", labels=("server_ip", "tier"))
+    age = GaugeMetricFamily("cache_indexer_instance_l1_last_event_age_seconds",
+                            "seconds since the instance's last KV-event batch arrived",
+                            labels=("server_ip",))
+    for inst in report["instances"]:
+        ip, l1 = inst["server_ip"], inst["l1"]
+        for name in STATES:
+            state.add_metric((ip, name), 1 if l1["state"] == name else 0)
+        for name in _HASH_CHECKS:
+            check.add_metric((ip, name), 1 if l1["hash_check"] == name else 0)
+        blocks.add_metric((ip, "l1"), l1["blocks"])
+        if inst["l3"]["blocks"] is not None:
+            blocks.add_metric((ip, "l3"), inst["l3"]["blocks"])
+        if l1["last_event_age_s"] is not None:
+            age.add_metric((ip,), l1["last_event_age_s"])
+    families = [state, check, blocks, age, *_master_metrics(report["masters"])]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
+
+
+class _Families:
+    """A collector (prometheus_client's protocol: ``collect()``) of ready-made families."""
+
+    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        return self.families
+
+
+def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    keys = GaugeMetricFamily("cache_indexer_master_keys", "keys in the master's last listing",
+                             labels=("url",))
+    unparsed = GaugeMetricFamily(
+        "cache_indexer_master_keys_unparsed",
+        "keys of the master's last listing that parse as no known family", labels=("url",))
+    age = GaugeMetricFamily("cache_indexer_master_poll_age_seconds",
+                            "seconds since the master was last polled successfully",
+                            labels=("url",))
+    stale = GaugeMetricFamily("cache_indexer_master_stale", "1 when the master's blocks were "
+                              "dropped as stale (ingest.l3.staleAfter)", labels=("url",))
+    for m in masters:
+        url = m["url"]
+        if m["keys"] is not None:
+            keys.add_metric((url,), m["keys"])
+            unparsed.add_metric((url,), m["keys_unparsed"])
+        if m["age_s"] is not None:
+            age.add_metric((url,), m["age_s"])
+        stale.add_metric((url,), 1 if m["stale"] else 0)
+    return [keys, unparsed, age, stale]

@@ -1,0 +1,322 @@
+"""Live self-check of the engine's block hashing: are the events' hashes the ones we compute?
+
+A KV-cache-aware router answers with a silent 0 when the indexer hashes prompts differently
+from the engine (another ``PYTHONHASHSEED``, another ``--prefix-caching-hash-algo``, another
+release's extra-key rule). :class:`HashChecker` recomputes the hashes of sampled
+``BlockStored`` events from their ``token_ids`` and extra keys and compares them with the
+event's ``block_hashes``:
+
+* Only chains it can prove: an event whose parent is the chain root (``parent_block_hash``
+  nil: NONE_HASH from the configured seed) or a block it verified itself (its full 32-byte
+  digest is kept; events carry only 8 bytes, which cannot be chained). GPU, group-0,
+  full-attention events whose tokens are exactly ``len(block_hashes) * block_size``.
+* Bounded CPU: a token bucket of ``ingest.l1.hashCheckRate`` blocks per second per instance
+  (burst one second). When the bucket is empty an event costs one comparison.
+* Extra keys come from the event (``extra_keys``, vLLM >= 0.17, one entry per hash; else
+  ``lora_name`` on every block). The "untagged" rule (vLLM 0.12–0.30) hashes them as
+  published; the "tagged" rule (>= 0.31) hashes ``("cache_salt", s)``, ``("mm", id, off)``,
+  ``("prompt_embeds", d)`` and needs the LoRA path, which events do not carry: such blocks
+  are left unchecked.
+* The verdict is ``ok`` once a block verified, ``mismatch`` for :data:`MISMATCH_HOLD` seconds
+  after a block did not (``unchecked`` before either).
+* On a mismatch it searches the plausible alternatives (the configured and common seeds,
+  ``"vllm-none-hash"``, both algos, both extra-key rules) on that one block and names the one
+  that matches, in the status detail, the log (once per change) and a metric. A search that
+  finds nothing is not repeated for :data:`SEARCH_INTERVAL` seconds.
+
+Pure apart from logging and metrics (no I/O); the subscriber writes its counts to Redis.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.blockhash import (
+    ALGOS,
+    DEFAULT_NONE_HASH_SEED,
+    ExtraKeys,
+    HashSettings,
+    chain_digests,
+    seed_none_hash,
+    to_event_int,
+)
+from common.errors import ConfigError
+from common.events import BlockStored, Event, hash_to_int
+from common.lifecycle import StateLog
+from services.l1_ingest.apply import in_prefix_group, tier_for_medium
+from services.l1_ingest.metrics import IngestMetrics
+
+logger = logging.getLogger(__name__)
+
+OK, MISMATCH, UNCHECKED = "ok", "mismatch", "unchecked"
+UNTAGGED, TAGGED = "untagged", "tagged"
+_TAGGED_SINCE = (0, 31, 0)
+VERIFIED_MAX = 4096
+"""Verified digests kept per instance (parents that later events may chain from)."""
+SEARCH_INTERVAL = 300.0
+"""Seconds between two searches for an explanation that found none (a search is ~1,000
+candidate hashes: a few tens of ms; a found explanation is re-tried first, for one hash)."""
+MISMATCH_HOLD = 60.0
+"""Seconds the verdict stays ``mismatch`` after the last mismatching block: when only some
+blocks differ (salted prompts under the wrong extra-key rule) the status must not flicker."""
+SEEDS = ("0", DEFAULT_NONE_HASH_SEED, "", "1", "42", "random", "1234", "12345",
+         *(str(i) for i in range(2, 256)))  # fmt: skip
+"""Seeds tried on a mismatch besides the configured one: vLLM's default, the empty string,
+"random" and the small integers operators set (a few ms of hashing, once per change)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way of hashing: PYTHONHASHSEED string, algo, extra-key rule."""
+
+    seed: str
+    algo: str
+    rule: str
+
+    def describe(self, keyed: bool) -> str:
+        parts = [f"pythonHashSeed {self.seed!r}", self.algo]
+        if keyed:
+            parts.append(_RULE_TEXT[self.rule])
+        return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+_RULE_TEXT = {UNTAGGED: "untagged extra keys (vLLM 0.12-0.30)",
+              TAGGED: "tagged extra keys (vLLM >= 0.31)"}  # fmt: skip
+
+
+class Uncheckable(Exception):
+    """This event cannot be checked; ``args[0]`` is a short reason (a metric label)."""
+
+
+def hash_side_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKeys]:
+    """The extra keys vLLM hashed for each block of ``event``, under an extra-key rule."""
+    n = len(event.block_hashes)
+    if event.extra_keys is None:
+        if not event.lora_name:
+            return [None] * n
+        if rule == TAGGED:
+            raise Uncheckable("lora_path")
+        return [(event.lora_name,)] * n
+    if len(event.extra_keys) != n:
+        raise Uncheckable("extra_keys_misaligned")
+    if rule == UNTAGGED:
+        return [None if keys is None else _tuple(keys) for keys in event.extra_keys]
+    if event.lora_name:
+        raise Uncheckable("lora_path")
+    return [None if keys is None else _tagged(keys, i == 0 and at_root)
+            for i, keys in enumerate(event.extra_keys)]  # fmt: skip
+
+
+def _tuple(value: Any) -> Any:
+    """Lists (msgpack arrays) back to the tuples vLLM hashed (pickle tells them apart)."""
+    return tuple(map(_tuple, value)) if isinstance(value, list) else value
+
+
+def _tagged(keys: list[Any], first_block: bool) -> tuple[object, ...]:
+    """vLLM >= 0.31 publishes untagged keys (``to_event_extra_keys``); tag them back."""
+    out: list[object] = []
+    for item in keys:
+        if isinstance(item, list) and len(item) == 2:
+            out.append(("mm", *_tuple(item)))
+        elif isinstance(item, bytes):
+            out.append(("prompt_embeds", item))
+        elif isinstance(item, str) and first_block:
+            out.append(("cache_salt", item))
+        else:
+            raise Uncheckable("extra_keys_unknown")
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _none_hash(algo: str, seed: str) -> bytes:
+    return seed_none_hash(algo, seed)
+
+
+def expected_candidate(settings: HashSettings) -> Candidate:
+    """How the config says the engine hashes (raises ConfigError for an unset seed < 0.29)."""
+    seed = settings.seed
+    if seed is None:
+        if settings.vllm_version < (0, 29, 0):
+            raise ConfigError("PYTHONHASHSEED is unset and vLLM < 0.29 hashes randomly")
+        seed = DEFAULT_NONE_HASH_SEED
+    rule = TAGGED if settings.vllm_version >= _TAGGED_SINCE else UNTAGGED
+    return Candidate(seed, settings.algo, rule)
+
+
+class HashChecker:
+    """The self-check of one instance (all its DP ranks); see the module docstring."""
+
+    def __init__(self, name: str, settings: HashSettings, rate: float, *,
+                 metrics: IngestMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name, self.rate, self.metrics, self.clock = name, float(rate), metrics, clock
+        self.version = ".".join(map(str, settings.vllm_version))
+        self.expected = expected_candidate(settings)
+        self._capacity = max(1.0, self.rate)
+        self._tokens, self._last = self._capacity, clock()
+        self.verified: OrderedDict[int, bytes] = OrderedDict()
+        self.ok = self.mismatch = 0
+        self.verdict, self.detail = UNCHECKED, "no checkable BlockStored event seen yet"
+        self.hint: Candidate | None = None
+        self.unchecked: Counter[str] = Counter()
+        self._searched_at = -SEARCH_INTERVAL
+        self._mismatch_at = -MISMATCH_HOLD
+        self._log = StateLog(logger, f"{name}: block-hash self-check")
+
+    # -- hot path --------------------------------------------------------------------------
+
+    def offer(self, events: Sequence[Event]) -> None:
+        """Check what the budget allows of one applied batch."""
+        if self.rate <= 0:
+            return
+        now = self.clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        for event in events:
+            if self._tokens < 1:
+                return
+            if type(event) is BlockStored:
+                self._consider(event)
+
+    def _consider(self, event: BlockStored) -> None:
+        parent_int = event.parent_block_hash
+        if parent_int is None:
+            parent = _none_hash(self.expected.algo, self.expected.seed)
+        else:  # the commonest case first: a parent never verified (costs no budget)
+            found = self.verified.get(
+                parent_int if type(parent_int) is int else hash_to_int(parent_int))
+            if found is None:
+                return
+            parent = found
+        n, size = len(event.block_hashes), event.block_size
+        if n == 0 or size <= 0 or len(event.token_ids) != n * size:
+            return  # placeholders, masked blocks (sliding window, mamba): not a plain chain
+        if tier_for_medium(event.medium) != "l1" or not in_prefix_group(
+                event.group_idx, event.kv_cache_spec_kind):
+            return
+        k = n if self._tokens >= n else int(self._tokens)
+        self._tokens -= k
+        self._check(event, parent, k)
+
+    def _check(self, event: BlockStored, parent: bytes, k: int) -> None:
+        at_root = event.parent_block_hash is None
+        try:
+            extras = hash_side_keys(event, self.expected.rule, at_root)[:k]
+            digests = chain_digests(self.expected.algo, parent, event.token_ids,
+                                    event.block_size, extras)  # fmt: skip
+        except Uncheckable as exc:
+            self._skip(str(exc.args[0]))
+            return
+        except ValueError:
+            self._skip("bad_tokens")
+            return
+        for i, digest in enumerate(digests):
+            if to_event_int(digest) != hash_to_int(event.block_hashes[i]):
+                self._on_mismatch(event, parent if i == 0 else digests[i - 1], i)
+                return
+            self._remember(hash_to_int(event.block_hashes[i]), digest)
+        self.ok += len(digests)
+        if self.metrics is not None:
+            self.metrics.hash_checks.inc(len(digests), result=OK)
+        if self.clock() - self._mismatch_at >= MISMATCH_HOLD:
+            self._set(OK, f"{self.ok} blocks verified ({self.expected.describe(False)})")
+
+    def _remember(self, value: int, digest: bytes) -> None:
+        self.verified[value] = digest
+        if len(self.verified) > VERIFIED_MAX:
+            self.verified.popitem(last=False)
+
+    def _skip(self, reason: str) -> None:
+        self.unchecked[reason] += 1
+        if self.metrics is not None:
+            self.metrics.hash_check_unchecked.inc(reason=reason)
+        if self.verdict == UNCHECKED:
+            self.detail = f"no checkable block yet (last skipped: {reason})"
+
+    # -- mismatch --------------------------------------------------------------------------
+
+    def _on_mismatch(self, event: BlockStored, parent: bytes, index: int) -> None:
+        self.mismatch += 1
+        self._mismatch_at = self.clock()
+        if self.metrics is not None:
+            self.metrics.hash_checks.inc(result=MISMATCH)
+        keyed = any(k is not None for k in (event.extra_keys or [])) or bool(event.lora_name)
+        hint = self._explain(event, parent, index)
+        if hint is not None:
+            if hint != self.hint and self.metrics is not None:
+                self.metrics.hash_check_hints.inc(seed=hint.seed, algo=hint.algo,
+                                                  extra_keys=hint.rule)  # fmt: skip
+            self.hint = hint
+            detail = (f"the engine hashes with {hint.describe(keyed)}; the config says "
+                      f"{self._config_text(hint)}")  # fmt: skip
+        elif self.hint is not None and self.verdict == MISMATCH:
+            detail = self.detail  # the last explanation still stands until a search says else
+        else:
+            detail = ("no plausible setting reproduces the engine's hashes: PYTHONHASHSEED may "
+                      "be unset on a vLLM < 0.29 engine (random per process), or an unknown "
+                      f"seed is used; the config says {self.expected.describe(keyed)}")
+        self._set(MISMATCH, detail)
+
+    def _config_text(self, hint: Candidate) -> str:
+        exp, parts = self.expected, []
+        if hint.seed != exp.seed:
+            parts.append(f"pythonHashSeed {exp.seed!r}")
+        if hint.algo != exp.algo:
+            parts.append(f"prefixCachingHashAlgo {exp.algo}")
+        if hint.rule != exp.rule:
+            parts.append(f"vllmVersion {self.version} ({exp.rule} extra keys)")
+        return ", ".join(parts)
+
+    def _explain(self, event: BlockStored, parent: bytes, index: int) -> Candidate | None:
+        """The alternative that reproduces block ``index``'s hash, if any (bounded search)."""
+        if self.hint is not None and self._matches(self.hint, event, parent, index):
+            return self.hint
+        now = self.clock()
+        if now - self._searched_at < SEARCH_INTERVAL:
+            return None
+        self._searched_at = now
+        for cand in self._candidates(event.parent_block_hash is None and index == 0):
+            if cand != self.expected and self._matches(cand, event, parent, index):
+                return cand
+        return None
+
+    def _candidates(self, at_root: bool) -> Iterator[Candidate]:
+        exp = self.expected
+        rules = (exp.rule, UNTAGGED if exp.rule == TAGGED else TAGGED)
+        if not at_root:  # the verified prefix fixed seed and algo; only the rule can differ
+            yield from (Candidate(exp.seed, exp.algo, r) for r in rules)
+            return
+        algos = (exp.algo, *(a for a in ALGOS if a != exp.algo))
+        seeds = (exp.seed, *(s for s in SEEDS if s != exp.seed))
+        for algo in algos:
+            for rule in rules:
+                yield from (Candidate(seed, algo, rule) for seed in seeds)
+
+    def _matches(self, cand: Candidate, event: BlockStored, parent: bytes, index: int) -> bool:
+        at_root = event.parent_block_hash is None
+        if at_root and index == 0:
+            parent = _none_hash(cand.algo, cand.seed)
+        size = event.block_size
+        try:
+            extras = hash_side_keys(event, cand.rule, at_root)
+            tokens = event.token_ids[index * size:(index + 1) * size]
+            (digest,) = chain_digests(cand.algo, parent, tokens, size, [extras[index]])
+        except (Uncheckable, ValueError):
+            return False
+        return to_event_int(digest) == hash_to_int(event.block_hashes[index])
+
+    def _set(self, verdict: str, detail: str) -> None:
+        """Record the verdict; log once per change of verdict or of the named alternative."""
+        self.verdict, self.detail = verdict, detail
+        if verdict == MISMATCH:
+            hint = self.hint
+            named = "" if hint is None else f" ({hint.seed!r}, {hint.algo}, {hint.rule})"
+            self._log.set(f"mismatch{named}", detail, logging.WARNING)
+        else:
+            self._log.set(verdict, "hashes match the config" if verdict == OK else detail)
