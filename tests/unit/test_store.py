@@ -235,3 +235,81 @@ def test_touch_l3_state_is_fenced_by_generation(store: Store) -> None:
     assert store.touch_l3_state(IP, {"updated_ms": "2"}, gen)
     assert not store.touch_l3_state(IP, {"updated_ms": "3"}, gen + 1)
     assert store.l3_state(IP)["updated_ms"] == "2" and store.l3_members(IP) == {1}
+
+
+# -- direct tests of the fences and copy counts (issue 14) ---------------------------------
+
+
+def test_owner_checked_write_is_still_fenced_by_generation(store: Store) -> None:
+    """A lease holder writing with an old generation (the pod behind the IP changed) is
+    refused: the generation is checked whether or not an owner is given."""
+    old_gen = _register(store, uid="pod-a")
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    store.apply_batch(IP, old_gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-a")
+    _, new_gen = store.upsert_instance(Instance(ip=IP, uid="pod-b"))  # a new pod, same IP
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    for gen in (old_gen, new_gen + 1):
+        res = store.apply_batch(IP, gen, 0, 1, _ops(("S", "l1", [2])), owner="ingester-a")
+        assert (res.status, res.stored) == ("stale_gen", 0)
+    assert store.tier_members(IP) == set() and store.last_seq(IP, 0) is None
+    res = store.apply_batch(IP, new_gen, 0, 1, _ops(("S", "l1", [3])), owner="ingester-a")
+    assert res.status == "applied" and store.tier_members(IP) == {3}
+
+
+def test_owner_checked_write_after_a_container_restart_is_refused(store: Store) -> None:
+    """Same pod, restarted container: the ingester that still holds the lease and the old
+    generation must not write the old container's events into the new index."""
+    gen = _register(store, restarts="0", dp_size=2)
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    store.apply_batch(IP, gen, 0, 4, _ops(("S", "l1", [1, 2])), owner="ingester-a")
+    result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1", dp_size=2))
+    assert result == "restarted" and new_gen > gen
+    for rank, reset in ((0, False), (0, True), (1, False)):
+        res = store.apply_batch(IP, gen, rank, 5, _ops(("S", "l1", [9])), owner="ingester-a",
+                                reset=reset)
+        assert (res.status, res.stored, res.cleared) == ("stale_gen", 0, 0)
+    assert store.tier_members(IP) == set() and store.tier_counts(IP) == {}
+    assert store.l1_state(IP) == {}
+    # The lease holder at the new generation writes; another holder is still refused.
+    res = store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])), owner="ingester-b")
+    assert res.status == "not_owner"
+    assert store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])),
+                             owner="ingester-a").status == "applied"
+    assert store.tier_members(IP) == {5}
+
+
+@pytest.mark.parametrize("how", ["reset", "all_blocks_cleared"])
+def test_clearing_a_rank_subtracts_exactly_its_own_copies(store: Store, how: str) -> None:
+    """Hash 7 is held twice by rank 0 and once by rank 1 (DP ranks share the instance's
+    set): clearing rank 0 must subtract its two copies, leaving rank 1's one."""
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 8]), ("S", "l1", [7]),
+                                          ("S", "l2", [5, 5])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [7]), ("S", "l2", [5])))
+    assert store.tier_counts(IP) == {7: 3, 8: 1}
+    assert store.tier_counts(IP, "l2") == {5: 3}
+    if how == "reset":
+        res = store.apply_batch(IP, gen, 0, 0, TierOps(), reset=True)
+    else:
+        res = store.apply_batch(IP, gen, 0, 1, _ops(("C", "l1", []), ("C", "l2", [])))
+    assert (res.status, res.cleared) == ("applied", 3)  # distinct hashes 7, 8 (l1), 5 (l2)
+    assert store.tier_counts(IP) == {7: 1} and store.tier_members(IP) == {7}
+    assert store.tier_counts(IP, "l2") == {5: 1} and store.tier_members(IP, "l2") == {5}
+    # Rank 1 removes its copy: nothing is left, and nothing went negative.
+    res = store.apply_batch(IP, gen, 1, 1, _ops(("R", "l1", [7]), ("R", "l2", [5])))
+    assert (res.removed, res.unknown_removes) == (2, 0)
+    assert store.tier_counts(IP) == {} and store.tier_members(IP) == set()
+    assert store.tier_members(IP, "l2") == set()
+    # Rank 0's cleared copies are gone for good: removing them again is "unknown".
+    res = store.apply_batch(IP, gen, 0, 2, _ops(("R", "l1", [7, 7, 8])))
+    assert (res.removed, res.unknown_removes) == (0, 3)
+
+
+def test_resetting_the_other_rank_keeps_a_duplicate_held_twice(store: Store) -> None:
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 7])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [7])))
+    store.apply_batch(IP, gen, 1, 0, TierOps(), reset=True)
+    assert store.tier_counts(IP) == {7: 2}
+    store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7])))
+    assert store.tier_counts(IP) == {7: 1} and store.tier_members(IP) == {7}
