@@ -36,7 +36,7 @@ import redis  # noqa: E402
 
 from common.blockhash import BlockHasher, HashSettings  # noqa: E402
 from common.store import Instance, Store  # noqa: E402
-from tests.conftest import RedisServer, free_port, wait_for  # noqa: E402
+from tests.conftest import RedisServer, reserve_port, wait_for  # noqa: E402
 
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 BLOCK = 16
@@ -108,7 +108,7 @@ class Scenario:
     def start(self) -> None:
         self.redis = RedisServer().start()
         self.store = Store(redis.Redis.from_url(self.redis.url))
-        rpc, admin = free_port(), free_port()
+        rpc, admin = reserve_port(), reserve_port()
         self.master_url = f"http://127.0.0.1:{admin}"
         self.master = self._spawn(
             ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
@@ -121,7 +121,7 @@ class Scenario:
         for ip in (A, B, C):
             self.store.upsert_instance(Instance(ip=ip, uid=f"pod-{ip}"))
         self.store.set_masters({self.master_url: json.dumps({"pod": "mooncake-master"})})
-        self.metrics_port = free_port()
+        self.metrics_port = reserve_port()
         cfg = self.tmp / "config.yaml"
         cfg.write_text(
             f"redis:\n  url: {self.redis.url}\n"

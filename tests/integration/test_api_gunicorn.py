@@ -20,7 +20,7 @@ from common.config import Config
 from common.store import Instance, Store, TierOps
 from services.api.app import hash_settings
 from services.api.hit_rate import UNREACHABLE
-from tests.conftest import ROOT, RedisServer, free_port, wait_for
+from tests.conftest import ROOT, RedisServer, reserve_port, wait_for
 
 PATH = "/kv-cache/hit-rate"
 BS = 128
@@ -33,7 +33,7 @@ class Api:
     """One ``python -m services.cli api`` process that this test started."""
 
     def __init__(self, tmp: Path, redis_url: str) -> None:
-        self.port = free_port()
+        self.port = reserve_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / "config.yaml"
         config.write_text(

@@ -24,11 +24,10 @@ from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.publisher import Publisher
 from services.simulator.workload import Workload
-from tests.conftest import DATA, RedisServer, wait_for
+from tests.conftest import DATA, RedisServer, reserve_ports, wait_for
 from tests.integration.l1_support import (
     InProcessIngester,
     assert_exact,
-    free_ports,
     l1_config,
     register,
     true_counts,
@@ -46,8 +45,8 @@ def make_sim() -> Iterator[SimFactory]:
 
     def make(version: str = "0.28.0", *, replay: bool = True, dp: int = 1,
              **kw: object) -> SimulatedVLLM:
-        port = free_ports(dp)
-        rport = free_ports(dp) if replay else 0
+        port = reserve_ports(dp)
+        rport = reserve_ports(dp) if replay else 0
         kw.setdefault("num_blocks", 64)
         sim = SimulatedVLLM(
             f"tcp://*:{port}", f"tcp://*:{rport}" if replay else "", "kv-events",
@@ -271,7 +270,7 @@ def test_real_vllm_frames(redis_client: redis.Redis,
     """
     cap = _capture(name)
     rank, topic = int(cap["data_parallel_rank"]), str(cap["topic"])  # type: ignore[call-overload]
-    port, rport = free_ports(2), free_ports(2)
+    port, rport = reserve_ports(2), reserve_ports(2)
     pub = Publisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic, dp_rank=rank,
                     vllm_version=(0, 28, 0), buffer_steps=int(cap["buffer_steps"]))  # type: ignore[call-overload]
     store = Store(redis_client)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, reserve_port
 
 
 def _port_closed(port: int) -> bool:
@@ -20,7 +20,7 @@ def _port_closed(port: int) -> bool:
 
 def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path,
                                             subprocess_env: dict[str, str]) -> None:
-    api, redis_port, master = free_port(), free_port(), free_port()
+    api, redis_port, master = reserve_port(), reserve_port(), reserve_port()
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "local-stack", "--workdir", str(tmp_path),
          "--port", str(api), "--redis-port", str(redis_port), "--master-port", str(master),

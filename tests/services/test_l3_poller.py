@@ -17,7 +17,7 @@ from common.config import Duration, IngestL3
 from common.store import Instance, Store
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.poller import L3Poller
-from tests.conftest import free_port, wait_for
+from tests.conftest import reserve_port, wait_for
 from tests.fake_master import FakeMaster
 
 HASHER = BlockHasher(HashSettings())
@@ -195,7 +195,7 @@ def test_pool_scope_and_standalone_fallback(harness_factory: Callable[..., Harne
 @pytest.mark.parametrize("fault", ["503", "garbage", "binary", "truncated", "slow", "down"])
 def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
                                         fault: str) -> None:
-    port = free_port()
+    port = reserve_port()
     master = FakeMaster("0.3.13", port=port).start()
     populate(master)
     h = harness_factory(stale_after=Duration(1.5), http_timeout=Duration(0.3))
@@ -272,7 +272,7 @@ def test_command_exposes_metrics(redis_server: object, master: FakeMaster, tmp_p
     store.set_masters({master.url: "{}"})
     cfg = tmp_path / "c.yaml"  # type: ignore[operator]
     cfg.write_text(f"redis:\n  url: {url}\ningest:\n  l3:\n    pollInterval: 100ms\n")
-    port = free_port()
+    port = reserve_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "l3-poll", "--config", str(cfg),
          "--metrics-port", str(port)], env=subprocess_env, stderr=subprocess.PIPE)
