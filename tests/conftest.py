@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -213,11 +214,36 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait()
 
 
-@pytest.fixture()
-def subprocess_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """Environment for child processes: the project importable, no inherited config."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("CACHE_INDEXER_CONFIG", None)
     env.pop("CACHE_INDEXER_REDIS_URL", None)
     return env
+
+
+@pytest.fixture()
+def subprocess_env() -> dict[str, str]:
+    """:func:`child_env` for one test."""
+    return child_env()
+
+
+def mooncake_missing() -> str | None:
+    """Why a real Mooncake side (``mooncake_master`` and store clients in a private network
+    namespace) cannot run on this machine, or None when it can."""
+    if shutil.which("mooncake_master") is None:
+        return "mooncake_master is not on PATH (pip install mooncake-transfer-engine-non-cuda)"
+    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], check=False,
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"mooncake.store does not import (libibverbs1?): {probe.stderr.strip()[-200:]}"
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare/ip are not installed (util-linux, iproute2)"
+    if os.geteuid() != 0:
+        return "network namespaces for the store clients need root"
+    netns = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], check=False,
+                           capture_output=True, text=True)
+    if netns.returncode != 0:
+        return f"cannot create a network namespace (needs root/CAP_SYS_ADMIN): {netns.stderr}"
+    return None
