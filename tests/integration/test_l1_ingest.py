@@ -7,7 +7,6 @@ behaviour (SIGKILL, lease handover, the CLI) is in test_l1_ingest_processes.py.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -309,23 +308,51 @@ def test_real_vllm_frames(redis_client: redis.Redis,
 # -- review fixes: idle loop, unconnectable replay, restarts while away, trimmed joins ---------
 
 
-def test_idle_subscriber_waits_instead_of_spinning(redis_client: redis.Redis) -> None:
-    """With no socket to poll (nothing assigned, or every instance waiting to retry) one
-    loop round must take about the poll timeout, not return at once."""
+class _FakeClock:
+    """Stands in for the subscriber's ``time`` module and for its stop event: ``wait``
+    records the wait and advances the clock by it, so no real time passes."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None and timeout >= 0
+        self.waits.append(timeout)
+        self.now += timeout
+        return False
+
+    def is_set(self) -> bool:
+        return False
+
+
+def test_idle_subscriber_waits_instead_of_spinning(
+        redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no socket to poll (nothing assigned, or every instance waiting to retry) a
+    loop round must block for the poll timeout or until the next retry is due, never
+    return at once. Counted with an injected clock: loop rounds per (fake) second."""
+    from services.l1_ingest import subscriber as subscriber_mod
+
+    clock = _FakeClock()
+    monkeypatch.setattr(subscriber_mod, "time", clock)
     sub = Subscriber(Store(redis_client), l1_config(), IngestMetrics(),
                      ctx=zmq.Context.instance())
     rounds: list[int] = []
     for instances in ({}, {IP: Instance(ip=IP, uid="u", gen=1)}):  # the 2nd has no endpoint
         sub.set_instances(instances)
-        started, cpu, n = time.monotonic(), time.process_time(), 0
-        while time.monotonic() - started < 0.5:
-            sub.run_once()
+        start, n = clock.now, 0
+        while clock.now - start < 2.0 and n < 1000:  # 2 s of fake time
+            sub.run_once(stop=clock)  # type: ignore[arg-type]
             n += 1
         rounds.append(n)
-        assert time.process_time() - cpu < 0.25, f"{n} rounds burnt CPU"
     sub.close()
-    assert rounds[0] <= 4, rounds  # 250 ms per round
-    assert rounds[1] <= 12, rounds  # retries every 10..200 ms (backoff 20ms..200ms)
+    assert rounds[0] == 8, rounds  # one 250 ms wait per round
+    # Retries back off 20 ms .. 200 ms (jittered): at least ~10 rounds, never a spin.
+    assert 8 <= rounds[1] <= 2.0 / 0.01, rounds
+    assert all(w > 0 for w in clock.waits), "a round that waited for nothing is a spin"
 
 
 @pytest.mark.parametrize("bad", ["tcp://*:5558", "tcp://127.0.0.1"])

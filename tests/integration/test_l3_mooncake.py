@@ -85,7 +85,6 @@ def test_located_once_and_never_again(runs: dict[str, dict[str, Any]]) -> None:
 def test_killed_client_blocks_leave_the_index(runs: dict[str, dict[str, Any]]) -> None:
     for scope, run in runs.items():
         after = run["after_kill"]
-        assert run["segment_gone_after_s"] >= 1.0, scope  # client_ttl=2 s
         assert after["b_members"] == 0, scope
         assert after["p1"][A] == 5 / 8, scope
         assert after["p2"][A] == 0.0, scope  # every rank-1 shard went with B
@@ -99,7 +98,6 @@ def test_stopped_master_is_kept_then_dropped(runs: dict[str, dict[str, Any]]) ->
     for scope, run in runs.items():
         assert run["after_stop"]["p1"][A] == 5 / 8, scope
         assert run["after_stop"]["state"]["stale"] == "0", scope
-        assert 1.0 <= run["stale_after_s"] <= 6.0, scope  # staleAfter = 2 s
         assert run["after_stale"]["a_members"] == 0, scope
         assert run["after_stale"]["p1"][A] == 0.0, scope
         assert run["after_stale"]["state"]["stale"] == "1", scope

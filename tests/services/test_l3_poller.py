@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -16,6 +17,8 @@ from common.blockhash import BlockHasher, HashSettings
 from common.config import Duration, IngestL3
 from common.store import Instance, Store
 from services.l3_poller.metrics import PollerMetrics
+from services.l3_poller import client as client_mod
+from services.l3_poller import poller as poller_mod
 from services.l3_poller.poller import L3Poller
 from tests.conftest import reserve_port, wait_for
 from tests.fake_master import FakeMaster
@@ -192,9 +195,28 @@ def test_pool_scope_and_standalone_fallback(harness_factory: Callable[..., Harne
     assert h.members(POD_A) == {INTS[7]}
 
 
+class FrozenClock:
+    """The ``time`` of the poller and client modules: ``monotonic`` stands still until the
+    test advances it, so "younger than staleAfter" does not depend on how fast a loaded
+    machine polls. (HTTP timeouts are httpx's own, on the real clock.)"""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+
 @pytest.mark.parametrize("fault", ["503", "garbage", "binary", "truncated", "slow", "down"])
 def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
-                                        fault: str) -> None:
+                                        monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    clock = FrozenClock()
+    monkeypatch.setattr(poller_mod, "time", clock)
+    monkeypatch.setattr(client_mod, "time", clock)  # the body deadline is on the same clock
     port = reserve_port()
     master = FakeMaster("0.3.13", port=port).start()
     populate(master)
@@ -213,6 +235,7 @@ def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
              what=f"failed polls ({fault})")
     assert h.members(POD_A) == set(INTS[:4])  # kept while younger than staleAfter
     assert h.store.l3_state(POD_A)["stale"] == "0"
+    clock.now += 1.5  # staleAfter has passed since the last good poll
     h.wait_members(POD_A, set(), what="state dropped after staleAfter")
     assert h.store.l3_state(POD_A)["stale"] == "1"
     assert h.metrics.master_stale.value(master=master.url) == 1
