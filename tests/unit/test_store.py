@@ -313,3 +313,37 @@ def test_resetting_the_other_rank_keeps_a_duplicate_held_twice(store: Store) -> 
     assert store.tier_counts(IP) == {7: 2}
     store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7])))
     assert store.tier_counts(IP) == {7: 1} and store.tier_members(IP) == {7}
+
+
+def test_generation_never_goes_back_when_the_server_clock_does(store: Store) -> None:
+    """The next generation is above the last one even if Redis's clock is behind it (a
+    server restarted on a host with a slower clock, or two changes in one millisecond)."""
+    _register(store, restarts="0")
+    far = 10**15  # ~ year 33658 in ms: above any clock reading
+    store.r.set(keys.instance_gen(IP), str(far))
+    store.r.hset(keys.instance_meta(IP), "gen", str(far))
+    result, gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
+    assert result == "restarted" and gen == far + 1
+    assert store.remove_instance(IP)
+    assert _register(store) == far + 3  # removal took far + 2
+
+
+def test_removed_copies_leave_no_per_rank_entries(store: Store) -> None:
+    """A hash whose copies a rank removed is gone from that rank's count hash too (no
+    zero entries piling up for the life of the pod)."""
+    gen = _register(store)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 7, 8]), ("S", "l2", [9])))
+    store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7, 8, 7]), ("R", "l2", [9])))
+    for tier in ("l1", "l2"):
+        assert not store.r.exists(keys.tier_rank_counts(IP, 0, tier)), tier
+        assert not store.r.exists(keys.tier_counts(IP, tier)), tier
+
+
+def test_renewing_a_lease_extends_it_and_only_its_holder_releases_it(store: Store) -> None:
+    assert store.claim_instance(IP, "ingester-a", 1_000)
+    assert store.claim_instance(IP, "ingester-a", 600_000), "renewal by the holder"
+    assert store.r.pttl(keys.l1_owner(IP)) > 1_000, "the renewal extended the lease"
+    assert not store.release_instance(IP, "ingester-b")
+    assert not store.claim_instance(IP, "ingester-b", 1_000)
+    assert store.release_instance(IP, "ingester-a")
+    assert store.claim_instance(IP, "ingester-b", 1_000)
