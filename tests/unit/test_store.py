@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import redis
 
@@ -347,3 +349,32 @@ def test_renewing_a_lease_extends_it_and_only_its_holder_releases_it(store: Stor
     assert not store.claim_instance(IP, "ingester-b", 1_000)
     assert store.release_instance(IP, "ingester-a")
     assert store.claim_instance(IP, "ingester-b", 1_000)
+
+
+def test_instance_round_trips_through_the_registry(store: Store) -> None:
+    inst = Instance(ip=IP, uid="u-1", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:5557",
+                    replay_endpoint="tcp://10.0.0.5:5558", dp_size=4, role="prefill",
+                    restarts="3")
+    _, gen = store.upsert_instance(inst)
+    assert store.get_instance(IP) == dataclasses.replace(inst, gen=gen)
+    assert store.list_instances() == [dataclasses.replace(inst, gen=gen)]
+    assert store.get_instance("10.9.9.9") is None
+    # Fields a registry entry lacks (or holds empty) read as the defaults.
+    assert Instance.from_meta(IP, {}) == Instance(ip=IP, uid="")
+    assert Instance.from_meta(IP, {"dp": "", "gen": "", "uid": "u"}) == Instance(ip=IP, uid="u")
+
+
+def test_writes_use_exactly_the_documented_keys(store: Store) -> None:
+    """Every key an instance's writes create is one that common.keys spells."""
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1]), ("S", "l2", [2])), gap=True)
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [3]), ("S", "l2", [4])))
+    store.replace_l3(IP, [5], {"master": "m"}, gen=gen)
+    store.claim_instance(IP, "ing", 10_000)
+    expected = {keys.INSTANCES, keys.instance_meta(IP), keys.instance_gen(IP), keys.l1_state(IP),
+                keys.l1_owner(IP), keys.l3_set(IP), keys.l3_state(IP)}
+    for tier in ("l1", "l2"):
+        expected |= {keys.tier_set(IP, tier), keys.tier_counts(IP, tier),
+                     keys.tier_rank_counts(IP, 0, tier), keys.tier_rank_counts(IP, 1, tier)}
+    assert {k.decode() for k in store.r.keys("*")} == expected
+    assert store.r.hgetall(keys.tier_rank_counts(IP, 1, "l2")) == {b"4": b"1"}
