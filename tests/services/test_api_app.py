@@ -72,6 +72,7 @@ def _ask(client: falcon.testing.TestClient, ips: list[str], tokens: list[int],
 
 def _ratios(result: falcon.testing.Result) -> list[tuple[str, float, float]]:
     assert result.status_code == 200, result.text
+    assert result.headers["content-type"] == "application/json"
     doc = result.json
     assert (doc["message"], doc["status"]) == ("", 0)
     scores = doc["server_score_list"]

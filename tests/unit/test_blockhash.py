@@ -383,3 +383,9 @@ def test_event_ints_and_member_keys_carry_salt_and_lora(version: str) -> None:
     ints = [int(h[-16:], 16) for h in case["block_hashes_hex"]]  # vLLM's, from the file
     assert hasher.event_ints(*args) == ints
     assert hasher.member_keys(*args) == [str(i).encode() for i in ints]
+
+
+def test_oldest_supported_vllm_is_0_10_2() -> None:
+    assert BlockHasher(HashSettings(vllm_version=(0, 10, 2))).digests(list(range(16)), 16)
+    with pytest.raises(ConfigError, match="0.10.2 or newer"):
+        HashSettings(vllm_version=(0, 10, 1))

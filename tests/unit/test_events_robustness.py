@@ -320,3 +320,11 @@ def test_unhashable_map_key_only_costs_its_own_event() -> None:
     batch = decode_batch(payload)
     assert batch.events == [BlockRemoved([7], "GPU"), AllBlocksCleared(), BlockRemoved([7], "GPU")]
     assert [s.index for s in batch.skipped] == [2]
+
+
+def test_block_removed_array_with_every_field_and_future_fields() -> None:
+    fields = [[5], "GPU", 0, "full_attention", "sess-1"]
+    expected = BlockRemoved(*fields)  # type: ignore[arg-type]
+    for trailing in ([], [None], ["future", 7, None]):
+        batch = decode_batch(_batch(["BlockRemoved", *fields, *trailing]))
+        assert batch.events == [expected] and batch.skipped == [], trailing

@@ -98,9 +98,12 @@ def test_all_blocks_cleared_only_clears_its_rank(store: Store) -> None:
 
 
 def test_gap_flag_is_counted(store: Store) -> None:
-    gen = _register(store)
+    gen = _register(store, dp_size=2)
     store.apply_batch(IP, gen, 0, 10, TierOps(), gap=True)
     assert store.l1_state(IP)["gap:0"] == "1"
+    store.apply_batch(IP, gen, 0, 11, TierOps())  # only a flagged batch counts
+    store.apply_batch(IP, gen, 1, 0, TierOps())
+    assert store.l1_state(IP) == {"seq:0": "11", "seq:1": "0", "gap:0": "1"}
 
 
 def test_writes_are_fenced_by_generation_and_owner(store: Store) -> None:
@@ -141,6 +144,7 @@ def test_container_restart_drops_l1_but_keeps_l3(store: Store) -> None:
     result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
     assert result == "restarted" and new_gen > gen
     assert store.tier_members(IP) == set()
+    assert not store.r.exists(keys.tier_rank_counts(IP, 0, "l1")), "per-rank copies dropped"
     assert store.l3_members(IP) == {3}
 
 
@@ -184,6 +188,9 @@ def test_leases_and_ingester_heartbeats(store: Store) -> None:
     assert store.claim_discovery_lease("d1", 10_000)
     assert not store.claim_discovery_lease("d2", 10_000)
     assert store.claim_discovery_lease("d1", 10_000), "renewal by the holder"
+    assert store.r.get(keys.lease("discovery")) == b"d1"
+    assert not store.release_discovery_lease("d2")
+    assert store.release_discovery_lease("d1") and store.claim_discovery_lease("d2", 10_000)
     assert store.heartbeat_ingester("a", 10_000) == ["a"]
     assert store.heartbeat_ingester("b", 10_000) == ["a", "b"]
     store.leave_ingesters("a")
