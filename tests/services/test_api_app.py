@@ -386,3 +386,13 @@ def test_api_hashes_with_the_configured_block_key(
                                       "cache_salt": case["cache_salt"]}}
     result = falcon.testing.TestClient(app).simulate_post(PATH, body=orjson.dumps(doc))
     assert _ratios(result) == [(A, 1.0, (n - 1) / n)]
+
+
+def test_every_answer_names_the_worker_process(redis_client: redis.Redis,
+                                               hasher: BlockHasher) -> None:
+    import os
+
+    client = _client(Store(redis_client), hasher)
+    for result in (_ask(client, [A], PROMPT), client.simulate_get("/nope"),
+                   client.simulate_get(PATH), client.simulate_get("/healthz")):
+        assert result.headers["x-served-by"] == str(os.getpid())
