@@ -363,3 +363,29 @@ def test_settings_defaults_and_hashable() -> None:
     assert HashSettings.from_strings("sha256_cbor", "0", "0.28.0") == settings
     assert len({settings, HashSettings()}) == 1
     assert none_hash(settings).hex().startswith("4e1195df")
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
+def test_the_bad_id_is_named_even_after_a_zero(algo: str) -> None:
+    """0 is a valid id on the slow (checked) path too: the error names the bad id."""
+    for version, bad in (((0, 28, 0), -1), ((0, 34, 0), 2**31)):
+        hasher = BlockHasher(HashSettings(algo=algo, vllm_version=version))
+        with pytest.raises(ValueError, match=rf"token id {bad} "):
+            hasher.digests([0, 1, 0, bad], 2)
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.31.0"])
+def test_event_ints_and_member_keys_carry_salt_and_lora(version: str) -> None:
+    case = next(c for c in VECTORS[version] if c["name"] == "lora_salt")
+    hasher = BlockHasher(HashSettings.from_strings(case["algo"], case["seed"], version))
+    args = (case["token_ids"], case["block_size"], case["cache_salt"], case["lora_name"],
+            case["lora_path"])
+    ints = [int(h[-16:], 16) for h in case["block_hashes_hex"]]  # vLLM's, from the file
+    assert hasher.event_ints(*args) == ints
+    assert hasher.member_keys(*args) == [str(i).encode() for i in ints]
+
+
+def test_oldest_supported_vllm_is_0_10_2() -> None:
+    assert BlockHasher(HashSettings(vllm_version=(0, 10, 2))).digests(list(range(16)), 16)
+    with pytest.raises(ConfigError, match="0.10.2 or newer"):
+        HashSettings(vllm_version=(0, 10, 1))
