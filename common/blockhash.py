@@ -243,22 +243,23 @@ class BlockHasher:
         tail: bytes,
         keep: bool,
     ) -> tuple[list[bytes], list[bytes]]:
-        """The hot loop: per block, two joins of pre-encoded bytes and one sha256."""
-        sha256, join, limit = hashlib.sha256, b"".join, self._token_limit
-        head, array_head = cbor.PREIMAGE_HEAD, cbor.head(4, block_size)
+        """The hot loop: per block, one slice, one join and one sha256."""
+        sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
+        array_head, limit = cbor.head(4, block_size), self._token_limit
         parent, block_tail = self._none_hash, first_tail
         digests: list[bytes] = []
         preimages: list[bytes] = []
         append = digests.append
-        cbor.plain_ids(token_ids[full:], limit)  # the partial block is not hashed, but checked
+        cbor.id_array(token_ids[full:], limit)  # the partial block is not hashed, but checked
         step = max(block_size, _CHUNK_TOKENS - _CHUNK_TOKENS % block_size)
         for chunk in range(0, full, step):
-            # A chunk at a time: its encodings are still in the CPU cache when joined.
-            encoded = cbor.encode_ids(token_ids[chunk : min(chunk + step, full)], limit)
-            for start in range(0, len(encoded), block_size):
-                body = join(encoded[start : start + block_size])
-                preimage = join((head, parent, array_head, body, block_tail))
-                parent, block_tail = sha256(preimage).digest(), tail
+            # A chunk at a time: its arrays stay in the CPU cache, its memory is bounded.
+            ids = token_ids[chunk : min(chunk + step, full)]
+            encoded, ends = cbor.encode_blocks(ids, block_size, limit)
+            start = 0
+            for end in ends:
+                preimage = join((head, parent, array_head, encoded[start:end], block_tail))
+                parent, block_tail, start = sha256(preimage).digest(), tail, end
                 append(parent)
                 if keep:
                     preimages.append(preimage)
