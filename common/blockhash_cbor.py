@@ -61,7 +61,7 @@ def _mask_word(width: int) -> int:
 # < 2**32): the head bits OR-ed into the id and the mask word selecting its encoding.
 _HEAD_BITS = np.array([0, 0x18 << 8, 0x19 << 16, 0, 0x1A << 32], np.uint64)
 _MASKS = np.array([_mask_word(extra + 1) for extra in range(5)], np.uint64)
-_ITEM_IDS_BELOW = 1 << 32
+ITEM_IDS_BELOW = 1 << 32  # encode_blocks' ids; larger ones need 9 bytes
 
 
 def checked_id(value: object, limit: int) -> int:
@@ -87,46 +87,49 @@ def plain_ids(tokens: Sequence[int], limit: int) -> list[int]:
     return [checked_id(value, limit) for value in tokens]
 
 
-def id_array(tokens: Sequence[int], limit: int) -> U64:
-    """The ids as a uint64 array; ValueError (naming the first bad id) if one is not a token
-    id below ``limit``."""
+def id_array(tokens: Sequence[int], limit: int) -> tuple[U64, int]:
+    """The ids as a uint64 array and the largest id (0 if none); ValueError (naming the first
+    bad id) if one is not a token id below ``limit``."""
     if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
-        if len(tokens) == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < limit):
-            return tokens.astype(np.uint64)
+        if len(tokens) == 0:
+            return np.zeros(0, np.uint64), 0
+        if int(tokens.min()) >= 0 and (largest := int(tokens.max())) < limit:
+            return tokens.astype(np.uint64), largest
     else:
         try:
             ids = np.frombuffer(array("Q", tokens), np.uint64)  # C-speed: ints >= 0 only
-            if len(ids) == 0 or int(ids.max()) < limit:
-                return ids
+            largest = int(ids.max()) if len(ids) else 0
+            if largest < limit:
+                return ids, largest
         except (TypeError, OverflowError):
             pass
-    return np.array(plain_ids(tokens, limit), np.uint64)
+    ids = np.array(plain_ids(tokens, limit), np.uint64)
+    return ids, int(ids.max()) if len(ids) else 0
 
 
-def encode_blocks(tokens: Sequence[int], block_size: int, limit: int) -> tuple[bytes, list[int]]:
-    """The CBOR encodings of all ``tokens`` (a whole number of blocks) back to back, and the
-    end offset of every block's encodings in them. Every id is validated against ``limit``."""
-    ids = id_array(tokens, limit)
+def encode_blocks(ids: U64, block_size: int) -> tuple[bytes, list[int]]:
+    """The CBOR encodings of ``ids`` (all < ``ITEM_IDS_BELOW``; a whole number of blocks)
+    back to back, and the end offset of every block's encodings in them."""
     if len(ids) == 0:
         return b"", []
-    if int(ids.max()) >= _ITEM_IDS_BELOW:
-        return _encode_blocks_per_id(ids.tolist(), block_size)
     # each id's encoding length - 1: 0, 1, 2 or 4 bytes after its head byte
     extra = (ids >= 24).view(np.uint8) + (ids >= 1 << 8).view(np.uint8)
     wide = (ids >= 1 << 16).view(np.uint8)
     extra += wide
     extra += wide
     index = extra.astype(np.intp)
-    items = (ids | _HEAD_BITS.take(index)).astype(">u8")  # big-endian: the encoding is last
+    items = _HEAD_BITS.take(index)
+    items |= ids
+    items.byteswap(inplace=True)  # big-endian in memory: each encoding is the item's last bytes
     data = np.compress(_MASKS.take(index).view(np.bool_), items.view(np.uint8))
-    lengths = index.reshape(-1, block_size).sum(axis=1)
-    lengths += block_size  # the head bytes
-    return data.tobytes(), lengths.cumsum().tolist()
+    ends = index.cumsum()[block_size - 1 :: block_size]
+    ends += np.arange(block_size, len(ids) + 1, block_size)  # plus the head bytes
+    return data.tobytes(), ends.tolist()
 
 
-def _encode_blocks_per_id(ids: list[int], block_size: int) -> tuple[bytes, list[int]]:
-    """encode_blocks for ids of any size, one id at a time."""
-    encoded = [head(0, token) for token in ids]
+def encode_blocks_per_id(ids: U64, block_size: int) -> tuple[bytes, list[int]]:
+    """:func:`encode_blocks` for ids of any size (up to 2**64 - 1), one id at a time."""
+    encoded = [head(0, token) for token in ids.tolist()]
     ends, end = [], 0
     for start in range(0, len(ids), block_size):
         end += sum(map(len, encoded[start : start + block_size]))

@@ -14,13 +14,16 @@ or Zipf-like (id rank ~ frequency, closer to real text). Columns:
 
 The machine may be shared, so the three take turns call by call (one call of ours, one of
 vLLM's in its process, one of cbor2's, again) and each keeps its best time of N (as
-``timeit`` advises). That is one round; ``--rounds`` rounds are run and the table shows the
-median time and the median ratio (with the rounds' lowest and highest ratio).
+``timeit`` advises), by default in CPU time of the calling thread (``--clock cpu``: time
+spent waiting for a CPU another process holds is not counted; ``--clock wall`` counts it).
+That is one round; ``--rounds`` rounds are run and the table shows the median time and the
+median ratio (with the rounds' lowest and highest ratio).
 Memory: the peak Python-heap allocation of one ``member_keys`` call (tracemalloc, which also
 sees numpy's buffers) and the memory importing the hasher adds to a fresh process.
 
 Usage: ``python scripts/bench_hash.py [--vllm-python /tmp/vllm-venv/bin/python]
-[--tokens 4096,131072,2097152] [--rounds 3] [--repeat-4k 100] [--repeat-long 5]``.
+[--tokens 4096,131072,2097152] [--rounds 3] [--repeat-4k 100] [--repeat-long 5]
+[--clock cpu|wall]``.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ BLOCKS = (16, 128)
 DISTRIBUTIONS = ("uniform", "zipf")
 
 # Runs in the vLLM interpreter. Reads one JSON line {"prompts": {name: tokens}}, answers
-# "ready <version>", then serves lines "time <name> <block>" (-> elapsed ns of one hasher
-# call on a fresh Request) and "ints <name> <block>" (-> JSON event ints) until EOF.
+# "ready <version>", then serves lines "<clock> <name> <block>" (-> ns of one hasher call by
+# that clock, "cpu" or "wall") and "ints <name> <block>" (-> JSON event ints) until EOF.
 VLLM_CHILD = r"""
 import json, os, sys, time
 os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
@@ -72,9 +75,10 @@ print("ready", vllm.__version__, flush=True)
 for line in sys.stdin:
     what, name, block = line.split()
     hasher = hashers.setdefault(block, kcu.get_request_block_hasher(int(block), sha256_cbor))
-    start = time.perf_counter_ns()
+    clock = time.thread_time_ns if what == "cpu" else time.perf_counter_ns
+    start = clock()
     hashes = hasher(requests[name])  # the Request keeps no hashes: every call hashes all
-    elapsed = time.perf_counter_ns() - start
+    elapsed = clock() - start
     if what == "ints":
         print(json.dumps([int.from_bytes(bytes(h)[-8:], "big") for h in hashes]), flush=True)
     else:
@@ -111,8 +115,8 @@ class VllmChild:
         self.stdin.flush()
         return self.stdout.readline()
 
-    def time_ns(self, name: str, block: int) -> int:
-        return int(self.ask("time", name, block))
+    def time_ns(self, clock: str, name: str, block: int) -> int:
+        return int(self.ask(clock, name, block))
 
     def event_ints(self, name: str, block: int) -> list[int]:
         return list(json.loads(self.ask("ints", name, block)))
@@ -140,16 +144,17 @@ def reference_digests(parent: bytes, tokens: list[int], block: int) -> list[byte
     return out
 
 
-def best_ns(funcs: list[Callable[[], int | None]], repeat: int) -> list[int]:
+def best_ns(funcs: list[Callable[[], int | None]], repeat: int, clock: str) -> list[int]:
     """Best-of-``repeat`` time of each function, the functions taking turns so that load
     from other processes on the machine falls on all of them alike. A function returning an
     int reports its own time (the vLLM child times itself)."""
+    now = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
     best = [2**63] * len(funcs)
     for _ in range(repeat):
         for index, func in enumerate(funcs):
-            start = time.perf_counter_ns()
+            start = now()
             reported = func()
-            elapsed = time.perf_counter_ns() - start if reported is None else reported
+            elapsed = now() - start if reported is None else reported
             best[index] = min(best[index], elapsed)
     return best
 
@@ -172,7 +177,7 @@ def _ratio(values: list[float]) -> str:
 
 
 def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher,
-         vllm: VllmChild | None, rounds: int) -> str:  # fmt: skip
+         vllm: VllmChild | None, args: argparse.Namespace) -> str:  # fmt: skip
     dist, tokens, block, repeat = case
     name = f"{dist}-{tokens}"
     if vllm is not None and vllm.event_ints(name, block) != hasher.event_ints(prompt, block):
@@ -181,8 +186,8 @@ def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher
     funcs = [_quiet(partial(hasher.member_keys, prompt, block)),
              _quiet(partial(reference_digests, parent, prompt, block))]  # fmt: skip
     if vllm is not None:
-        funcs.append(partial(vllm.time_ns, name, block))
-    times = [best_ns(funcs, repeat) for _ in range(rounds)]
+        funcs.append(partial(vllm.time_ns, args.clock, name, block))
+    times = [best_ns(funcs, repeat, args.clock) for _ in range(args.rounds)]
     ours, ref = (statistics.median(t[i] for t in times) for i in range(2))
     vs_ref = _ratio([t[1] / t[0] for t in times])
     vllm_cell = vs_vllm = "–"
@@ -219,8 +224,8 @@ def import_cost() -> str:
     """Private and resident memory that importing and first using the hasher adds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        out = subprocess.run([sys.executable, "-c", IMPORT_COST], capture_output=True,
-                             text=True, env=env, check=True, timeout=120).stdout.split()  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", IMPORT_COST], capture_output=True, text=True,
+                             env=env, check=True, timeout=120).stdout.split()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "import cost: not measured (no /proc/self/smaps_rollup?)"
     return (f"importing and first using BlockHasher adds {float(out[0]):.1f} MB private "
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="4096,131072,2097152",
                         help="comma-separated prompt lengths")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu: the calling thread's CPU time (default; steadier on a "
+                        "shared machine), wall: elapsed time")  # fmt: skip
     parser.add_argument("--repeat-4k", type=int, default=100, help="best of N, <= 4,096 tokens")
     parser.add_argument("--repeat-long", type=int, default=5, help="best of N, longer prompts")
     args = parser.parse_args(argv)
@@ -249,14 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:
             note = f"vLLM column skipped: {exc}"
     print(f"Python {platform.python_version()}, cbor2 {importlib.metadata.version('cbor2')}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; median of "
-          f"{args.rounds} rounds of best-of-N, taking turns; {note}\n")  # fmt: skip
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.clock} time, "
+          f"median of {args.rounds} rounds of best-of-N, taking turns; {note}\n")  # fmt: skip
     print("| tokens | ids | block | member_keys | vLLM | cbor2+hashlib | vs vLLM | vs cbor2 |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     try:
         for case in cases:
             prompt = prompts[f"{case[0]}-{case[1]}"]
-            print(_row(case, prompt, hasher, vllm, args.rounds), flush=True)
+            print(_row(case, prompt, hasher, vllm, args), flush=True)
     finally:
         if vllm is not None:
             vllm.close()

@@ -170,9 +170,11 @@ def test_encoder_matches_cbor2_value_by_value() -> None:
     edges = CBOR_WIDTHS + [2**16, 2**31, 2**64 - 1]
     ids = sorted({v + d for v in edges for d in (-1, 0, 1) if 0 <= v + d < 2**64})
     for values in (ids, [v for v in ids if v < 2**32], [70_000]):  # numpy path and per-id path
-        encoded, ends = blockhash_cbor.encode_blocks(
-            values, 1, 2**64
-        )
+        ids, largest = blockhash_cbor.id_array(values, 2**64)
+        assert largest == max(values)
+        per_id = largest >= blockhash_cbor.ITEM_IDS_BELOW
+        encode = blockhash_cbor.encode_blocks_per_id if per_id else blockhash_cbor.encode_blocks
+        encoded, ends = encode(ids, 1)
         assert [encoded[a:b] for a, b in zip([0, *ends], ends)] == [cbor2.dumps(v) for v in values]
     for text in ["", "a" * 23, "a" * 24, "a" * 255, "a" * 256, "a" * 65536, "租户-α🦙"]:
         assert blockhash_cbor.encode(text) == cbor2.dumps(text, canonical=True)
