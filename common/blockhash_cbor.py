@@ -61,6 +61,8 @@ def _mask_word(width: int) -> int:
 # < 2**32): the head bits OR-ed into the id and the mask word selecting its encoding.
 _HEAD_BITS = np.array([0, 0x18 << 8, 0x19 << 16, 0, 0x1A << 32], np.uint64)
 _MASKS = np.array([_mask_word(extra + 1) for extra in range(5)], np.uint64)
+# ids >= each edge: 24 and 256 add a byte, 2**16 two (so that 2**16 <= id < 2**32 -> 4)
+_WIDTH_EDGES = np.array([24, 1 << 8, 1 << 16, 1 << 16], np.uint64)
 ITEM_IDS_BELOW = 1 << 32  # encode_blocks' ids; larger ones need 9 bytes
 
 
@@ -112,12 +114,7 @@ def encode_blocks(ids: U64, block_size: int) -> tuple[bytes, list[int]]:
     back to back, and the end offset of every block's encodings in them."""
     if len(ids) == 0:
         return b"", []
-    # each id's encoding length - 1: 0, 1, 2 or 4 bytes after its head byte
-    extra = (ids >= 24).view(np.uint8) + (ids >= 1 << 8).view(np.uint8)
-    wide = (ids >= 1 << 16).view(np.uint8)
-    extra += wide
-    extra += wide
-    index = extra.astype(np.intp)
+    index = np.searchsorted(_WIDTH_EDGES, ids, side="right")  # its encoding's length - 1
     items = _HEAD_BITS.take(index)
     items |= ids
     items.byteswap(inplace=True)  # big-endian in memory: each encoding is the item's last bytes
