@@ -10,10 +10,12 @@ where ``serialize`` is ``cbor2.dumps(obj, canonical=True)`` for ``sha256_cbor`` 
 ``NONE_HASH = sha256(serialize(PYTHONHASHSEED string))``. KV events carry the last 8 bytes of
 each digest as an unsigned big-endian integer; the chain always uses all 32 bytes.
 
-The CBOR path does not call cbor2: this runs on every API request (up to 131,072 tokens), so
-:mod:`common.blockhash_cbor` encodes all ids at once and this module joins their bytes into
-each block's preimage (same bytes as cbor2; the tests keep cbor2 as the reference). The
-pickle path calls ``pickle.dumps`` exactly as vLLM does.
+The CBOR path does not call cbor2: this runs on every API request, so
+:mod:`common.blockhash_cbor` encodes a chunk of 8,192 ids at a time with numpy and this module
+slices each block's ids out of that and joins them into the block's preimage (same bytes as
+cbor2; the tests keep cbor2 as the reference). Per block, what is left in Python is one slice,
+one join and one sha256. The pickle path (``sha256``, vLLM's default) calls ``pickle.dumps``
+exactly as vLLM does, so it is only about as fast as vLLM.
 
 Decisions (vLLM behaviour the index must mirror, or input we refuse):
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -249,17 +251,15 @@ class BlockHasher:
     ) -> tuple[list[bytes], list[bytes]]:
         """The hot loop: per block, one slice, one join and one sha256."""
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
-        array_head, limit = cbor.head(4, block_size), self._token_limit
+        array_head = cbor.head(4, block_size)
         parent, block_tail = self._none_hash, first_tail
         digests: list[bytes] = []
         preimages: list[bytes] = []
         append = digests.append
-        ids, largest = cbor.id_array(token_ids, limit)  # all are checked, the partial block too
-        encode = cbor.encode_blocks if largest < cbor.ITEM_IDS_BELOW else cbor.encode_blocks_per_id
-        step = max(block_size, _CHUNK_TOKENS - _CHUNK_TOKENS % block_size)
-        for chunk in range(0, full, step):
-            # A chunk at a time: its arrays stay in the CPU cache, its memory is bounded.
-            encoded, ends = encode(ids[chunk : min(chunk + step, full)], block_size)
+        for ids, largest in _id_chunks(token_ids, full, block_size, self._token_limit):
+            per_id = largest >= cbor.ITEM_IDS_BELOW
+            encode = cbor.encode_blocks_per_id if per_id else cbor.encode_blocks
+            encoded, ends = encode(ids, block_size)
             start = 0
             for end in ends:
                 preimage = join((head, parent, array_head, encoded[start:end], block_tail))
@@ -290,6 +290,23 @@ class BlockHasher:
             if keep:
                 preimages.append(preimage)
         return digests, preimages
+
+
+def _id_chunks(
+    token_ids: Sequence[int], full: int, block_size: int, limit: int
+) -> Iterator[tuple[cbor.U64, int]]:
+    """The ids of the full blocks as uint64 arrays (:func:`cbor.id_array`), a whole number of
+    blocks at a time: each chunk's arrays stay in the CPU cache, and memory stays bounded
+    however long the prompt. Every id is validated, those of the partial block too."""
+    step = max(block_size, _CHUNK_TOKENS - _CHUNK_TOKENS % block_size)
+    if len(token_ids) <= step:  # one conversion, the partial block included
+        ids, largest = cbor.id_array(token_ids, limit)
+        if full:
+            yield ids[:full], largest
+        return
+    cbor.id_array(token_ids[full:], limit)  # the partial block: checked, not hashed
+    for chunk in range(0, full, step):
+        yield cbor.id_array(token_ids[chunk : min(chunk + step, full)], limit)
 
 
 def _event_ints(digests: list[bytes]) -> list[int]:
