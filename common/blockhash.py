@@ -34,6 +34,7 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import re
@@ -251,7 +252,7 @@ class BlockHasher:
     ) -> tuple[list[bytes], list[bytes]]:
         """The hot loop: per block, one slice, one join and one sha256."""
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
-        array_head = cbor.head(4, block_size)
+        array_head = _array_head(block_size)
         parent, block_tail = self._none_hash, first_tail
         digests: list[bytes] = []
         preimages: list[bytes] = []
@@ -290,6 +291,11 @@ class BlockHasher:
             if keep:
                 preimages.append(preimage)
         return digests, preimages
+
+
+@functools.lru_cache(maxsize=64)
+def _array_head(block_size: int) -> bytes:
+    return cbor.head(4, block_size)
 
 
 def _id_chunks(

@@ -21,9 +21,12 @@ median ratio (with the rounds' lowest and highest ratio).
 Memory: the peak Python-heap allocation of one ``member_keys`` call (tracemalloc, which also
 sees numpy's buffers) and the memory importing the hasher adds to a fresh process.
 
+``--old-rev REV`` adds a column: this project's own ``BlockHasher`` as of git revision REV,
+run in a child process like vLLM's (e.g. to compare with the encoder before a change).
+
 Usage: ``python scripts/bench_hash.py [--vllm-python /tmp/vllm-venv/bin/python]
 [--tokens 4096,131072,2097152] [--rounds 3] [--repeat-4k 100] [--repeat-long 5]
-[--clock cpu|wall]``.
+[--clock cpu|wall] [--old-rev REV]``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -86,14 +90,37 @@ for line in sys.stdin:
 """
 
 
-class VllmChild:
-    """vLLM's hasher in a child process of another interpreter, timed call by call."""
+# Runs this project's BlockHasher of another revision (--old-rev), extracted to PYTHONPATH;
+# the same protocol as VLLM_CHILD.
+OLD_CHILD = r"""
+import json, sys, time
+from common.blockhash import BlockHasher, HashSettings
+hasher = BlockHasher(HashSettings())
+prompts = json.loads(sys.stdin.readline())["prompts"]
+print("ready", "old", flush=True)
+for line in sys.stdin:
+    what, name, block = line.split()
+    if what == "ints":
+        print(json.dumps(hasher.event_ints(prompts[name], int(block))), flush=True)
+        continue
+    clock = time.thread_time_ns if what == "cpu" else time.perf_counter_ns
+    start = clock()
+    hasher.member_keys(prompts[name], int(block))
+    print(clock() - start, flush=True)
+"""
 
-    def __init__(self, python: str, prompts: dict[str, list[int]]) -> None:
+
+class ChildHasher:
+    """A hasher in a child process (vLLM's, or an older revision's), timed call by call."""
+
+    def __init__(self, python: str, code: str, prompts: dict[str, list[int]],
+                 path: str | None = None) -> None:  # fmt: skip
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         env.pop("PYTHONPATH", None)
+        if path:
+            env["PYTHONPATH"] = path
         try:
-            self.proc = subprocess.Popen([python, "-c", VLLM_CHILD], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
         except OSError as exc:
             raise RuntimeError(f"cannot run {python}: {exc}") from None
@@ -107,7 +134,7 @@ class VllmChild:
         ready = self.stdout.readline().split()
         if not ready or ready[0] != "ready":
             self.close()
-            raise RuntimeError(f"{python} could not run vLLM's hasher (see its stderr above)")
+            raise RuntimeError(f"{python} could not run the hasher (see its stderr above)")
         self.version = ready[1]
 
     def ask(self, what: str, name: str, block: int) -> str:
@@ -177,17 +204,21 @@ def _ratio(values: list[float]) -> str:
 
 
 def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher,
-         vllm: VllmChild | None, args: argparse.Namespace) -> str:  # fmt: skip
+         vllm: ChildHasher | None, old: ChildHasher | None,
+         args: argparse.Namespace) -> str:  # fmt: skip
     dist, tokens, block, repeat = case
     name = f"{dist}-{tokens}"
-    if vllm is not None and vllm.event_ints(name, block) != hasher.event_ints(prompt, block):
-        raise SystemExit(f"vLLM's hashes differ from ours ({name}, block {block})")
+    for child in (vllm, old):
+        if child is not None and child.event_ints(name, block) != hasher.event_ints(prompt, block):
+            raise SystemExit(f"{child.version}'s hashes differ from ours ({name}, block {block})")
     parent = none_hash(hasher.settings)
     funcs = [_quiet(partial(hasher.member_keys, prompt, block)),
              _quiet(partial(reference_digests, parent, prompt, block))]  # fmt: skip
-    if vllm is not None:
-        funcs.append(partial(vllm.time_ns, args.clock, name, block))
+    for child in (vllm, old):
+        if child is not None:
+            funcs.append(partial(child.time_ns, args.clock, name, block))
     times = [best_ns(funcs, repeat, args.clock) for _ in range(args.rounds)]
+    vs_old = f" {_ratio([t[-1] / t[0] for t in times])} |" if old is not None else ""
     ours, ref = (statistics.median(t[i] for t in times) for i in range(2))
     vs_ref = _ratio([t[1] / t[0] for t in times])
     vllm_cell = vs_vllm = "–"
@@ -195,7 +226,7 @@ def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher
         vllm_cell = _cell(tokens, statistics.median(t[2] for t in times))
         vs_vllm = _ratio([t[2] / t[0] for t in times])
     return (f"| {tokens:,} | {dist} | {block} | {_cell(tokens, ours)} | {vllm_cell} "
-            f"| {_cell(tokens, ref)} | **{vs_vllm}** | {vs_ref} |")  # fmt: skip
+            f"| {_cell(tokens, ref)} | **{vs_vllm}** | {vs_ref} |{vs_old}")  # fmt: skip
 
 
 def peak_bytes(func: Callable[[], object]) -> int:
@@ -232,6 +263,26 @@ def import_cost() -> str:
             f"memory ({float(out[1]):.1f} MB resident, shared libraries included)")
 
 
+def _vllm_child(python: str | None,
+                prompts: dict[str, list[int]]) -> tuple[ChildHasher | None, str]:  # fmt: skip
+    if not python:
+        return None, "vLLM column skipped: no --vllm-python given"
+    try:
+        vllm = ChildHasher(python, VLLM_CHILD, prompts)
+    except RuntimeError as exc:
+        return None, f"vLLM column skipped: {exc}"
+    return vllm, f"vLLM column: vLLM {vllm.version} via {python}"
+
+
+def _old_child(rev: str, prompts: dict[str, list[int]]) -> ChildHasher:
+    """This project's ``common/`` as of ``rev`` (git archive into a temporary directory)."""
+    path = tempfile.mkdtemp(prefix="bench-hash-old-")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "common"],
+                             capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
+    return ChildHasher(sys.executable, OLD_CHILD, prompts, path=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", help="python of a venv with vLLM (e.g. 0.28.0)")
@@ -243,31 +294,29 @@ def main(argv: list[str] | None = None) -> int:
                         "shared machine), wall: elapsed time")  # fmt: skip
     parser.add_argument("--repeat-4k", type=int, default=100, help="best of N, <= 4,096 tokens")
     parser.add_argument("--repeat-long", type=int, default=5, help="best of N, longer prompts")
+    parser.add_argument("--old-rev", help="also time BlockHasher as of this git revision")
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.tokens.split(",")]
     hasher = BlockHasher(HashSettings())
     prompts = {f"{d}-{n}": make_prompt(n, d) for d in DISTRIBUTIONS for n in sizes}
     cases = [(d, n, b, args.repeat_4k if n <= 4096 else args.repeat_long)
              for d in DISTRIBUTIONS for n in sizes for b in BLOCKS]  # fmt: skip
-    vllm, note = None, "vLLM column skipped: no --vllm-python given"
-    if args.vllm_python:
-        try:
-            vllm = VllmChild(args.vllm_python, prompts)
-            note = f"vLLM column: vLLM {vllm.version} via {args.vllm_python}"
-        except RuntimeError as exc:
-            note = f"vLLM column skipped: {exc}"
+    vllm, note = _vllm_child(args.vllm_python, prompts)
+    old = _old_child(args.old_rev, prompts) if args.old_rev else None
     print(f"Python {platform.python_version()}, cbor2 {importlib.metadata.version('cbor2')}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.clock} time, "
           f"median of {args.rounds} rounds of best-of-N, taking turns; {note}\n")  # fmt: skip
-    print("| tokens | ids | block | member_keys | vLLM | cbor2+hashlib | vs vLLM | vs cbor2 |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    old_head = (f" vs {args.old_rev} |", "---:|") if old else ("", "")
+    print("| tokens | ids | block | member_keys | vLLM | cbor2+hashlib | vs vLLM | vs cbor2 |"
+          + old_head[0] + "\n|---:|---|---:|---:|---:|---:|---:|---:|" + old_head[1])  # fmt: skip
     try:
         for case in cases:
             prompt = prompts[f"{case[0]}-{case[1]}"]
-            print(_row(case, prompt, hasher, vllm, args), flush=True)
+            print(_row(case, prompt, hasher, vllm, old, args), flush=True)
     finally:
-        if vllm is not None:
-            vllm.close()
+        for child in (vllm, old):
+            if child is not None:
+                child.close()
     print("\nPeak memory of one member_keys call (tracemalloc): " + ", ".join(
         f"{n:,} tokens at block {b}: {peak_bytes(partial(hasher.member_keys, p, b)) / 2**20:.1f}"
         f" MB" for n in sizes for b in BLOCKS

@@ -169,7 +169,9 @@ def test_cbor_integer_width_boundaries(block_size: int) -> None:
 def test_encoder_matches_cbor2_value_by_value() -> None:
     edges = CBOR_WIDTHS + [2**16, 2**31, 2**64 - 1]
     ids = sorted({v + d for v in edges for d in (-1, 0, 1) if 0 <= v + d < 2**64})
-    for values in (ids, [v for v in ids if v < 2**32], [70_000]):  # numpy path and per-id path
+    small = [v for v in ids if v < 2**32]
+    assert len(small) * 3 >= blockhash_cbor.NUMPY_FROM
+    for values in (ids, small, small * 3, [70_000]):  # per id, and numpy (small * 3)
         ids, largest = blockhash_cbor.id_array(values, 2**64)
         assert largest == max(values)
         per_id = largest >= blockhash_cbor.ITEM_IDS_BELOW
