@@ -10,7 +10,9 @@ and no look-up table: every id becomes one uint64 whose big-endian bytes *end* w
 CBOR encoding (the head byte ``0x18``/``0x19``/``0x1a`` OR-ed in just above the id's 1, 2 or
 4 bytes; an id < 24 is its own head), and one ``np.compress`` with a byte mask keeps those
 last 1, 2, 3 or 5 bytes of each. The caller slices the result per block. Ids >= 2**32
-(possible only before vLLM 0.34, and in no real vocabulary) take a plain per-id path.
+(possible only before vLLM 0.34, and in no real vocabulary) and prompts shorter than
+``NUMPY_FROM`` ids (where numpy's cost per call outweighs its cost per id) take a plain
+per-id path.
 
 Token ids are validated here too: an id is anything ``operator.index`` accepts (int, bool,
 numpy ints; not 1.0) with ``0 <= id < limit``; anything else raises ValueError.
