@@ -119,9 +119,10 @@ class ChildHasher:
         env.pop("PYTHONPATH", None)
         if path:
             env["PYTHONPATH"] = path
-        try:
+        try:  # cwd: "python -c" puts it first on sys.path, before PYTHONPATH
             self.proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                                         stdout=subprocess.PIPE, text=True, env=env,
+                                         cwd=path or tempfile.gettempdir())  # fmt: skip
         except OSError as exc:
             raise RuntimeError(f"cannot run {python}: {exc}") from None
         assert self.proc.stdin is not None and self.proc.stdout is not None
