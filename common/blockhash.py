@@ -54,6 +54,7 @@ _TAGGED_KEYS_SINCE = (0, 31, 0)
 _LORA_NAME_SINCE = (0, 12, 0)
 _FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
+_BIG_U64 = np.dtype(">u8")
 _CHUNK_TOKENS = 8192  # ids encoded at a time (measured: 4k-16k are best)
 _VERSION_RE = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
@@ -317,7 +318,9 @@ def _id_chunks(
 
 def _event_ints(digests: list[bytes]) -> list[int]:
     """uint64 of the last 8 bytes of every digest, big-endian (the form KV events carry)."""
-    return np.frombuffer(b"".join(digests), ">u8")[3::4].tolist()  # type: ignore[no-any-return]
+    if not digests:
+        return []
+    return np.frombuffer(b"".join(digests), _BIG_U64)[3::4].tolist()  # type: ignore[no-any-return]
 
 
 def _check_block_size(block_size: int) -> None:

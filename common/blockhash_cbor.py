@@ -59,12 +59,12 @@ def _mask_word(width: int) -> int:
     return int(np.frombuffer(bytes(8 - width) + b"\x01" * width, np.uint64)[0])
 
 
-# By an id's encoding's length - 1 (0 for ids < 24, 1 for < 2**8, 2 for < 2**16, 4 for
-# < 2**32): the head bits OR-ed into the id and the mask word selecting its encoding.
-_HEAD_BITS = np.array([0, 0x18 << 8, 0x19 << 16, 0, 0x1A << 32], np.uint64)
-_MASKS = np.array([_mask_word(extra + 1) for extra in range(5)], np.uint64)
-# ids >= each edge: 24 and 256 add a byte, 2**16 two (so that 2**16 <= id < 2**32 -> 4)
-_WIDTH_EDGES = np.array([24, 1 << 8, 1 << 16, 1 << 16], np.uint64)
+# By an id's encoding's length (1 for ids < 24, 2 for < 2**8, 3 for < 2**16, 5 for < 2**32):
+# the head bits OR-ed into the id and the mask word selecting its encoding.
+_HEAD_BITS = np.array([0, 0, 0x18 << 8, 0x19 << 16, 0, 0x1A << 32], np.uint64)
+_MASKS = np.array([0] + [_mask_word(length) for length in range(1, 6)], np.uint64)
+# ids >= each edge: 0 gives the head byte, 24 and 256 one byte more, 2**16 two more
+_LENGTH_EDGES = np.array([0, 24, 1 << 8, 1 << 16, 1 << 16], np.uint64)
 ITEM_IDS_BELOW = 1 << 32  # encode_blocks' ids; larger ones need 9 bytes
 NUMPY_FROM = 64  # fewer ids are encoded one by one (measured: numpy wins from ~50 ids)
 
@@ -119,13 +119,12 @@ def encode_blocks(ids: U64, block_size: int) -> tuple[bytes, list[int]]:
     back to back, and the end offset of every block's encodings in them."""
     if len(ids) < NUMPY_FROM:
         return encode_blocks_per_id(ids, block_size)
-    index = np.searchsorted(_WIDTH_EDGES, ids, side="right")  # its encoding's length - 1
-    items = _HEAD_BITS.take(index)
+    length = np.searchsorted(_LENGTH_EDGES, ids, side="right")  # of each id's encoding
+    items = _HEAD_BITS.take(length)
     items |= ids
     items.byteswap(inplace=True)  # big-endian in memory: each encoding is the item's last bytes
-    data = np.compress(_MASKS.take(index).view(np.bool_), items.view(np.uint8))
-    ends = index.cumsum()[block_size - 1 :: block_size]
-    ends += np.arange(block_size, len(ids) + 1, block_size)  # plus the head bytes
+    data = items.view(np.uint8).compress(_MASKS.take(length).view(np.bool_))
+    ends = length.cumsum()[block_size - 1 :: block_size]
     return data.tobytes(), ends.tolist()
 
 
