@@ -150,7 +150,8 @@ def chain_digests(
             ids = tuple(cbor.plain_ids(block, 1 << 64))
             preimage = pickle.dumps((parent, ids, extra), protocol=pickle.HIGHEST_PROTOCOL)
         else:
-            body = b"".join(cbor.encode_ids(block, 1 << 64))
+            ids_u64, _ = cbor.id_array(block, 1 << 64)
+            body = cbor.encode_blocks_per_id(ids_u64, block_size)[0]
             preimage = b"".join((cbor.PREIMAGE_HEAD, parent, cbor.head(4, block_size), body,
                                  cbor.encode(extra)))  # fmt: skip
         parent = hashlib.sha256(preimage).digest()

