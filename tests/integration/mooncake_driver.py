@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,12 @@ import redis  # noqa: E402
 
 from common.blockhash import BlockHasher, HashSettings  # noqa: E402
 from common.store import Instance, Store  # noqa: E402
-from tests.conftest import RedisServer, free_port, wait_for  # noqa: E402
+from tests.conftest import RedisServer, reserve_port, wait_for  # noqa: E402
 
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 BLOCK = 16
 HASHER = BlockHasher(HashSettings())
-POLL, STALE, TTL = 0.3, 2.0, 2
+POLL, STALE, TTL = 0.3, 4.0, 2
 
 
 def keys_of(tokens: list[int], model: str = "Qwen2.5-0.5B-Instruct", tp: int = 0) -> list[str]:
@@ -108,7 +107,7 @@ class Scenario:
     def start(self) -> None:
         self.redis = RedisServer().start()
         self.store = Store(redis.Redis.from_url(self.redis.url))
-        rpc, admin = free_port(), free_port()
+        rpc, admin = reserve_port(), reserve_port()
         self.master_url = f"http://127.0.0.1:{admin}"
         self.master = self._spawn(
             ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
@@ -121,7 +120,7 @@ class Scenario:
         for ip in (A, B, C):
             self.store.upsert_instance(Instance(ip=ip, uid=f"pod-{ip}"))
         self.store.set_masters({self.master_url: json.dumps({"pod": "mooncake-master"})})
-        self.metrics_port = free_port()
+        self.metrics_port = reserve_port()
         cfg = self.tmp / "config.yaml"
         cfg.write_text(
             f"redis:\n  url: {self.redis.url}\n"
@@ -204,24 +203,24 @@ class Scenario:
 
     def _crash_and_stale(self, p1: list[int], p2: list[int], p3: list[int]) -> None:
         pod_b = self.pods[B]
-        killed = time.monotonic()
         pod_b.proc.send_signal(signal.SIGKILL)
         seg_b = self.out["setup"][B]["hostname"]
         wait_for(lambda: seg_b not in httpx.get(self.master_url + "/get_all_segments").text,
-                 timeout=TTL + 15, what="the killed client's segment to go")
-        self.out["segment_gone_after_s"] = time.monotonic() - killed
+                 timeout=TTL + 30, what="the killed client's segment to go")
         self.settle()
         self.out["after_kill"] = {"p1": self.ratios(p1), "p2": self.ratios(p2),
                                   "p3": self.ratios(p3), "b_members": len(self.store.l3_members(B))}
         self.out["p3_exists_after_kill"] = self.pods[A].call("exist", keys_of(p3))
-        # the master stops: state kept until staleAfter, then dropped and flagged
+        # the master stops: state kept through failed polls until staleAfter, then dropped
+        # and flagged (seen by polling, not by timing it)
+        errors = self.counter("errors_total")
         self.master.terminate()
         self.master.wait(10)
-        stopped = time.monotonic()
+        wait_for(lambda: self.counter("errors_total") > errors, timeout=30,
+                 what="a failed poll of the stopped master")
         self.out["after_stop"] = {"p1": self.ratios(p1), "state": self.store.l3_state(A)}
-        wait_for(lambda: self.store.l3_state(A).get("stale") == "1", timeout=STALE + 15,
+        wait_for(lambda: self.store.l3_state(A).get("stale") == "1", timeout=STALE + 30,
                  what="stale flag")
-        self.out["stale_after_s"] = time.monotonic() - stopped
         self.out["after_stale"] = {"p1": self.ratios(p1), "state": self.store.l3_state(A),
                                    "a_members": len(self.store.l3_members(A))}
         self.out["errors_total"] = self.counter("errors_total")

@@ -20,10 +20,9 @@ from services.l1_ingest.apply import plan_ops
 from services.simulator.ascend import ConnectorEvents
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reserve_port
 from tests.integration.l1_support import (
     InProcessIngester,
-    free_ports,
     register,
     true_counts,
     wait_quiet,
@@ -38,7 +37,7 @@ def ascend_sim() -> Iterator[Callable[[str], SimulatedVLLM]]:
     sims: list[SimulatedVLLM] = []
 
     def make(version: str) -> SimulatedVLLM:
-        sims.append(SimulatedVLLM(f"tcp://*:{free_ports()}", "", "kv-events",
+        sims.append(SimulatedVLLM(f"tcp://*:{reserve_port()}", "", "kv-events",
                                   vllm_version=version, num_blocks=48, engine="vllm-ascend"))
         return sims[-1]
 
@@ -104,7 +103,7 @@ def test_simulate_vllm_cli_plays_vllm_ascend(tmp_path: Path,
     state = tmp_path / "sim.json"
     sim = subprocess.run(
         [sys.executable, "-m", "services.cli", "simulate-vllm", "--engine", "vllm-ascend",
-         "--endpoint", f"tcp://*:{free_ports()}", "--num-blocks", "40", "--rate", "100",
+         "--endpoint", f"tcp://*:{reserve_port()}", "--num-blocks", "40", "--rate", "100",
          "--duration", "1", "--state-file", str(state)],
         check=False, cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=30)
     assert sim.returncode == 0, sim.stderr[-2000:]

@@ -29,7 +29,7 @@ from common.store import Store
 from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
-from tests.conftest import ROOT, free_port, wait_for
+from tests.conftest import ROOT, reserve_port, wait_for
 from tests.fake_master import FakeMaster
 from tests.redis_nodes import Cluster
 
@@ -81,7 +81,7 @@ class Fleet:
     """The simulated pods, what each served, and the blocks each put into Mooncake."""
 
     def __init__(self, ips: list[str], master: FakeMaster) -> None:
-        self.ports = {ip: (free_port(), free_port()) for ip in ips}
+        self.ports = {ip: (reserve_port(), reserve_port()) for ip in ips}
         self.sims = {ip: SimulatedVLLM(f"tcp://*:{pub}", f"tcp://*:{rep}", "kv-events",
                                        block_size=BLOCK, num_blocks=96, bind_host=ip)
                      for ip, (pub, rep) in self.ports.items()}
@@ -151,7 +151,7 @@ def test_every_process_on_a_cluster_survives_a_node_restart(
     ips = _ips_on_every_master()
     master = FakeMaster("0.3.13").start()
     fleet = Fleet(ips, master)
-    api = free_port()
+    api = reserve_port()
     client = connect(RedisConfig(url=cluster.url, cluster=True), retries=3)
     client.flushall()
     store = Store(client)

@@ -14,14 +14,14 @@ import redis
 
 from common import keys
 from common.store import Store
-from tests.conftest import RedisServer, free_port, wait_for
+from tests.conftest import RedisServer, reserve_port, wait_for
 from tests.fake_kube import FakeKube
 from tests.services.discovery_support import vllm_pod, write_config
 
 
 class Proc:
     def __init__(self, config: Path, env: dict[str, str]) -> None:
-        self.metrics_port = free_port()
+        self.metrics_port = reserve_port()
         self.p = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "discovery", "--config", str(config),
              "--metrics-port", str(self.metrics_port)],

@@ -18,7 +18,7 @@ import yaml
 from common.store import Store
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
-from tests.conftest import ROOT, RedisServer, free_port, wait_for
+from tests.conftest import ROOT, RedisServer, reserve_port, wait_for
 from tests.integration.l1_support import wait_quiet
 
 IP = "127.0.0.61"
@@ -35,7 +35,7 @@ def _spawn(procs: list[subprocess.Popen[bytes]], env: dict[str, str], log: Path,
 def test_api_l1_ratios_equal_the_simulated_cache(
         redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path,
         subprocess_env: dict[str, str], procs: list[subprocess.Popen[bytes]]) -> None:
-    pub, replay, api = free_port(), free_port(), free_port()
+    pub, replay, api = reserve_port(), reserve_port(), reserve_port()
     sim = SimulatedVLLM(f"tcp://*:{pub}", f"tcp://*:{replay}", "kv-events",
                         vllm_version="0.28.0", block_size=BLOCK, num_blocks=128,
                         bind_host=IP)

@@ -23,10 +23,9 @@ from common.status_report import Limits, StatusReader, build_report
 from common.store import Instance, Store
 from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
-from tests.conftest import DATA, wait_for
+from tests.conftest import DATA, reserve_port, wait_for
 from tests.integration.l1_support import (
     InProcessIngester,
-    free_ports,
     register,
     spawn_ingester,
     write_config,
@@ -40,7 +39,7 @@ def make_sim() -> Iterator[Callable[..., SimulatedVLLM]]:
     sims: list[SimulatedVLLM] = []
 
     def make(version: str = "0.28.0", **kw: Any) -> SimulatedVLLM:
-        sim = SimulatedVLLM(f"tcp://*:{free_ports()}", f"tcp://*:{free_ports()}", "kv-events",
+        sim = SimulatedVLLM(f"tcp://*:{reserve_port()}", f"tcp://*:{reserve_port()}", "kv-events",
                             vllm_version=version, num_blocks=64, **kw)
         sims.append(sim)
         return sim
@@ -135,7 +134,7 @@ def test_publisher_that_never_sends_is_no_events_and_a_closed_port_unreachable(
     silent = make_sim()  # listening, never publishing (no --kv-events batches)
     ing = ingester(noEventsAfter="1s")
     register(ing.store, "127.0.0.63", silent)
-    closed = f"tcp://127.0.0.1:{free_ports()}"
+    closed = f"tcp://127.0.0.1:{reserve_port()}"
     ing.store.upsert_instance(Instance("127.0.0.64", "uid-closed", zmq_endpoint=closed))
     wait_for(lambda: report_of(redis_client, "127.0.0.63")["l1"]["state"] == "no_events",
              timeout=15, what="no_events")
@@ -207,7 +206,7 @@ def test_vllm_published_events_through_zmq(
     """Payloads from vLLM 0.28's KVCacheManager + ZmqEventPublisher (PYTHONHASHSEED=1),
     re-sent byte for byte on a real PUB socket; the config's seed decides the verdict."""
     capture = _capture()
-    port = free_ports()
+    port = reserve_port()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")

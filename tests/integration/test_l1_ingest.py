@@ -7,7 +7,6 @@ behaviour (SIGKILL, lease handover, the CLI) is in test_l1_ingest_processes.py.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -24,11 +23,10 @@ from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.publisher import Publisher
 from services.simulator.workload import Workload
-from tests.conftest import DATA, RedisServer, wait_for
+from tests.conftest import DATA, RedisServer, reserve_ports, wait_for
 from tests.integration.l1_support import (
     InProcessIngester,
     assert_exact,
-    free_ports,
     l1_config,
     register,
     true_counts,
@@ -46,8 +44,8 @@ def make_sim() -> Iterator[SimFactory]:
 
     def make(version: str = "0.28.0", *, replay: bool = True, dp: int = 1,
              **kw: object) -> SimulatedVLLM:
-        port = free_ports(dp)
-        rport = free_ports(dp) if replay else 0
+        port = reserve_ports(dp)
+        rport = reserve_ports(dp) if replay else 0
         kw.setdefault("num_blocks", 64)
         sim = SimulatedVLLM(
             f"tcp://*:{port}", f"tcp://*:{rport}" if replay else "", "kv-events",
@@ -271,7 +269,7 @@ def test_real_vllm_frames(redis_client: redis.Redis,
     """
     cap = _capture(name)
     rank, topic = int(cap["data_parallel_rank"]), str(cap["topic"])  # type: ignore[call-overload]
-    port, rport = free_ports(2), free_ports(2)
+    port, rport = reserve_ports(2), reserve_ports(2)
     pub = Publisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic, dp_rank=rank,
                     vllm_version=(0, 28, 0), buffer_steps=int(cap["buffer_steps"]))  # type: ignore[call-overload]
     store = Store(redis_client)
@@ -310,23 +308,51 @@ def test_real_vllm_frames(redis_client: redis.Redis,
 # -- review fixes: idle loop, unconnectable replay, restarts while away, trimmed joins ---------
 
 
-def test_idle_subscriber_waits_instead_of_spinning(redis_client: redis.Redis) -> None:
-    """With no socket to poll (nothing assigned, or every instance waiting to retry) one
-    loop round must take about the poll timeout, not return at once."""
+class _FakeClock:
+    """Stands in for the subscriber's ``time`` module and for its stop event: ``wait``
+    records the wait and advances the clock by it, so no real time passes."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None and timeout >= 0
+        self.waits.append(timeout)
+        self.now += timeout
+        return False
+
+    def is_set(self) -> bool:
+        return False
+
+
+def test_idle_subscriber_waits_instead_of_spinning(
+        redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no socket to poll (nothing assigned, or every instance waiting to retry) a
+    loop round must block for the poll timeout or until the next retry is due, never
+    return at once. Counted with an injected clock: loop rounds per (fake) second."""
+    from services.l1_ingest import subscriber as subscriber_mod
+
+    clock = _FakeClock()
+    monkeypatch.setattr(subscriber_mod, "time", clock)
     sub = Subscriber(Store(redis_client), l1_config(), IngestMetrics(),
                      ctx=zmq.Context.instance())
     rounds: list[int] = []
     for instances in ({}, {IP: Instance(ip=IP, uid="u", gen=1)}):  # the 2nd has no endpoint
         sub.set_instances(instances)
-        started, cpu, n = time.monotonic(), time.process_time(), 0
-        while time.monotonic() - started < 0.5:
-            sub.run_once()
+        start, n = clock.now, 0
+        while clock.now - start < 2.0 and n < 1000:  # 2 s of fake time
+            sub.run_once(stop=clock)  # type: ignore[arg-type]
             n += 1
         rounds.append(n)
-        assert time.process_time() - cpu < 0.25, f"{n} rounds burnt CPU"
     sub.close()
-    assert rounds[0] <= 4, rounds  # 250 ms per round
-    assert rounds[1] <= 12, rounds  # retries every 10..200 ms (backoff 20ms..200ms)
+    assert rounds[0] == 8, rounds  # one 250 ms wait per round
+    # Retries back off 20 ms .. 200 ms (jittered): at least ~10 rounds, never a spin.
+    assert 8 <= rounds[1] <= 2.0 / 0.01, rounds
+    assert all(w > 0 for w in clock.waits), "a round that waited for nothing is a spin"
 
 
 @pytest.mark.parametrize("bad", ["tcp://*:5558", "tcp://127.0.0.1"])

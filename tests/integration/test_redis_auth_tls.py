@@ -19,7 +19,7 @@ from common.config import Redis as RedisConfig
 from common.config import RedisTLS, load_config
 from common.redis_client import connect
 from common.store import Instance, Store, TierOps
-from tests.conftest import ROOT, free_port, wait_for
+from tests.conftest import ROOT, reserve_port, wait_for
 from tests.redis_nodes import Cluster, Node
 
 PASSWORD = "s3cret-pw"
@@ -105,7 +105,7 @@ def test_acl_user_limited_to_the_project_keys(started: list[Node | Cluster]) -> 
 
 def test_tls_with_ca_file_and_client_certificate(started: list[Node | Cluster],
                                                  certs: dict[str, str]) -> None:
-    tls_port = free_port()
+    tls_port = reserve_port()
     node = Node(args=_tls_args(certs, tls_port, clients="yes")).start()
     started.append(node)
     url = f"rediss://127.0.0.1:{tls_port}/0"
@@ -127,7 +127,7 @@ def test_cluster_with_password_and_tls(started: list[Node | Cluster],
     cluster = Cluster(3, ping={"password": PASSWORD}, extra=[
         "--requirepass", PASSWORD, "--masterauth", PASSWORD])
     for node in cluster.nodes:
-        tls_port = free_port()
+        tls_port = reserve_port()
         node.args += [*_tls_args(certs, tls_port), "--tls-cluster", "yes"]
         node.tls_port = tls_port  # type: ignore[attr-defined]
     started.append(cluster)
@@ -147,7 +147,7 @@ def test_api_process_takes_the_password_from_the_environment(
     """What the chart does: the password comes from a Secret as CACHE_INDEXER_REDIS_PASSWORD."""
     node = Node(args=["--requirepass", PASSWORD], ping={"password": PASSWORD}).start()
     started.append(node)
-    api = free_port()
+    api = reserve_port()
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"redis": {"url": node.url},
                                       "http": {"addr": f"127.0.0.1:{api}", "workers": 1}}))

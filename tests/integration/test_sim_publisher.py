@@ -9,7 +9,7 @@ from common.events import AllBlocksCleared, decode_batch
 from services.l1_ingest.replay import fetch_replay
 from services.simulator.publisher import Publisher, binds, offset_endpoint
 from tests.conftest import wait_for
-from tests.integration.l1_support import free_ports
+from tests.conftest import reserve_ports
 
 
 def test_bind_rule_and_offsets() -> None:
@@ -21,7 +21,7 @@ def test_bind_rule_and_offsets() -> None:
 
 def test_non_wildcard_endpoint_connects_to_a_binding_subscriber() -> None:
     ctx = zmq.Context.instance()
-    port = free_ports(2)
+    port = reserve_ports(2)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port + 1}")  # DP rank 1 → configured port + 1
@@ -45,8 +45,8 @@ def test_non_wildcard_endpoint_connects_to_a_binding_subscriber() -> None:
 
 @pytest.mark.parametrize(("version", "width"), [((0, 25, 0), 3), ((0, 26, 0), 4)])
 def test_replay_framing_by_version(version: tuple[int, int, int], width: int) -> None:
-    rport = free_ports()
-    pub = Publisher(f"tcp://*:{free_ports()}", f"tcp://*:{rport}", "kv-events",
+    rport = reserve_ports()
+    pub = Publisher(f"tcp://*:{reserve_ports()}", f"tcp://*:{rport}", "kv-events",
                     vllm_version=version, buffer_steps=3)
     try:
         for _ in range(5):

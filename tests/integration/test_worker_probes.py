@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ROOT, RedisServer, free_port, wait_for
+from tests.conftest import ROOT, RedisServer, reserve_port, wait_for
 
 LIVENESS = 3  # metrics.livenessTimeout, seconds
 
@@ -43,7 +43,7 @@ def _get(port: int, path: str) -> tuple[int, str]:
 def test_l1_ingest_probes_follow_its_loop_and_redis(
         own_redis: RedisServer, tmp_path: Path, subprocess_env: dict[str, str],
         procs: list[subprocess.Popen[bytes]]) -> None:
-    port = free_port()
+    port = reserve_port()
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({
         "redis": {"url": own_redis.url, "socketTimeout": "1h", "connectTimeout": "1s"},

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 import falcon.testing
@@ -11,13 +14,13 @@ import pytest
 import redis
 
 from common.blockhash import BlockHasher, HashSettings
-from common.config import Redis
+from common.config import Redis, load_config
 from common.settings import ApiSettings
 from common.store import Instance, Store, TierOps
 from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app, redis_client
 from services.api.hit_rate import UNREACHABLE
-from tests.conftest import free_port
+from tests.conftest import DATA, reserve_port
 
 BS = 16  # a small block size keeps the prompts short; the hashing is the same
 PATH = "/kv-cache/hit-rate"
@@ -57,7 +60,7 @@ def store(any_store: Store) -> Store:
 @pytest.fixture()
 def dead_store() -> Store:
     """A store whose Redis port has nobody listening, with the API's client settings."""
-    return Store(redis_client(Redis(url=f"redis://127.0.0.1:{free_port()}/0")))
+    return Store(redis_client(Redis(url=f"redis://127.0.0.1:{reserve_port()}/0")))
 
 
 def _ask(client: falcon.testing.TestClient, ips: list[str], tokens: list[int],
@@ -68,6 +71,7 @@ def _ask(client: falcon.testing.TestClient, ips: list[str], tokens: list[int],
 
 def _ratios(result: falcon.testing.Result) -> list[tuple[str, float, float]]:
     assert result.status_code == 200, result.text
+    assert result.headers["content-type"] == "application/json"
     doc = result.json
     assert (doc["message"], doc["status"]) == ("", 0)
     scores = doc["server_score_list"]
@@ -242,21 +246,62 @@ def test_body_over_the_limit_is_413_by_content_length(
                            "message": "the request body is larger than the limit of 100 bytes"}
 
 
-class _CountingStream(io.BytesIO):
-    """A request body that records how many bytes the app read."""
+def _exactly(size: int) -> bytes:
+    """A valid request padded with JSON whitespace to exactly ``size`` bytes."""
+    doc = orjson.dumps({"server_ip": [A], "body": {"token_ids": PROMPT[:BS], "block_size": BS}})
+    assert len(doc) <= size
+    return doc + b" " * (size - len(doc))
 
-    def __init__(self, data: bytes) -> None:
+
+def test_body_of_exactly_the_limit_is_accepted_one_more_byte_is_413(
+        redis_client: redis.Redis, hasher: BlockHasher) -> None:
+    limit = 1000
+    client = _client(Store(redis_client), hasher, limit=limit)
+    assert _ratios(client.simulate_post(PATH, body=_exactly(limit))) == [(A, 0.0, 0.0)]
+    assert client.simulate_post(PATH, body=_exactly(limit + 1)).status_code == 413
+    # The same sizes sent chunked (no Content-Length), read whole or 8 bytes at a time.
+    for size, max_read in itertools.product((limit, limit + 1), (0, 8)):
+        result, stream = _chunked(client, _exactly(size), max_read)
+        assert result.status_code == (200 if size == limit else 413), (size, max_read)
+        assert stream.consumed == size
+
+
+def test_a_content_length_over_the_limit_is_refused_before_reading_the_body(
+        redis_client: redis.Redis, hasher: BlockHasher) -> None:
+    limit = 1000
+    client = _client(Store(redis_client), hasher, limit=limit)
+    for declared in (limit + 1, 10 * limit, 2**40):
+        stream = _CountingStream(_exactly(limit + 1) + b" " * 5000)
+        result = client.simulate_post(PATH, headers={"Content-Length": str(declared)},
+                                      extras={"wsgi.input": stream})
+        assert result.status_code == 413 and result.json["status"] == 413
+        assert stream.consumed == 0, f"read {stream.consumed} bytes of a refused body"
+    stream = _CountingStream(_exactly(limit))  # at the limit: read, exactly that much
+    result = client.simulate_post(PATH, headers={"Content-Length": str(limit)},
+                                  extras={"wsgi.input": stream})
+    assert _ratios(result) == [(A, 0.0, 0.0)] and stream.consumed == limit
+
+
+class _CountingStream(io.BytesIO):
+    """A request body that records how many bytes the app read; ``max_read`` caps what
+    one read returns, as a socket delivering the body in pieces does."""
+
+    def __init__(self, data: bytes, max_read: int = 0) -> None:
         super().__init__(data)
         self.consumed = 0
+        self.max_read = max_read
 
     def read(self, size: int | None = -1) -> bytes:
+        if self.max_read and (size is None or size < 0 or size > self.max_read):
+            size = self.max_read
         chunk = super().read(size)
         self.consumed += len(chunk)
         return chunk
 
 
-def _chunked(client: falcon.testing.TestClient, data: bytes) -> tuple[Any, _CountingStream]:
-    stream = _CountingStream(data)
+def _chunked(client: falcon.testing.TestClient, data: bytes,
+             max_read: int = 0) -> tuple[Any, _CountingStream]:
+    stream = _CountingStream(data, max_read)
     result = client.simulate_post(PATH, headers={"Transfer-Encoding": "chunked"},
                                   extras={"wsgi.input": stream})
     return result, stream
@@ -338,3 +383,59 @@ def test_an_unexpected_error_is_a_json_500_without_details(redis_client: redis.R
     assert result.status_code == 500
     assert result.json == {"server_score_list": [], "status": 500,
                            "message": "the request could not be processed: internal error"}
+
+
+# -- blockKey: the API hashes as the configured vLLM does (vectors made by real vLLM) ------
+
+VECTORS = json.loads((DATA / "vllm_hash_vectors.json").read_text(encoding="utf-8"))["versions"]
+DEFAULT_KEY = ("sha256_cbor", "0", "0.28.0")
+NON_DEFAULT_CASES = [
+    pytest.param(version, case, id=f"{version}-{case['name']}")
+    for version, cases in VECTORS.items() for case in cases
+    if case["deterministic"] and case["lora_name"] is None  # the API takes no LoRA
+    and (case["algo"], case["seed"], version) != DEFAULT_KEY
+]
+
+
+def vector_members(case: dict[str, Any]) -> list[int]:
+    """vLLM's block hashes as KV events carry them: the digest's last 8 bytes, big-endian
+    (decoded here from the vectors file, not by the project's hasher)."""
+    return [int(h[-16:], 16) for h in case["block_hashes_hex"]]
+
+
+def block_key_config(tmp_path: Path, version: str, case: dict[str, Any]) -> ApiSettings:
+    seed = "null" if case["seed"] is None else json.dumps(case["seed"])
+    path = tmp_path / "config.yaml"
+    path.write_text(f"blockKey:\n  prefixCachingHashAlgo: {case['algo']}\n"
+                    f"  pythonHashSeed: {seed}\n  vllmVersion: \"{version}\"\n",
+                    encoding="utf-8")
+    return ApiSettings.from_config(load_config(path, env={}))  # the file, as the API reads it
+
+
+@pytest.mark.parametrize(("version", "case"), NON_DEFAULT_CASES)
+def test_api_hashes_with_the_configured_block_key(
+        redis_client: redis.Redis, tmp_path: Path, version: str, case: dict[str, Any]) -> None:
+    """Redis holds vLLM's own hashes for the prompt; the API, configured with that vLLM's
+    blockKey from a config file, must find every block."""
+    assert len(NON_DEFAULT_CASES) >= 15
+    settings = block_key_config(tmp_path, version, case)
+    store = Store(redis_client)
+    members = vector_members(case)
+    n = len(members)
+    _populate(store, A, l1=members, l3=members[: n - 1])
+    app = create_app(settings, store, BlockHasher(settings.hash), ApiMetrics())
+    doc = {"server_ip": [A], "body": {"token_ids": case["token_ids"],
+                                      "block_size": case["block_size"],
+                                      "cache_salt": case["cache_salt"]}}
+    result = falcon.testing.TestClient(app).simulate_post(PATH, body=orjson.dumps(doc))
+    assert _ratios(result) == [(A, 1.0, (n - 1) / n)]
+
+
+def test_every_answer_names_the_worker_process(redis_client: redis.Redis,
+                                               hasher: BlockHasher) -> None:
+    import os
+
+    client = _client(Store(redis_client), hasher)
+    for result in (_ask(client, [A], PROMPT), client.simulate_get("/nope"),
+                   client.simulate_get(PATH), client.simulate_get("/healthz")):
+        assert result.headers["x-served-by"] == str(os.getpid())

@@ -19,7 +19,7 @@ from common.status_report import Limits, StatusReader, build_report
 from common.store import Instance, L1Status, Store, TierOps
 from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app, redis_client
-from tests.conftest import free_port
+from tests.conftest import reserve_port
 
 PATH = "/kv-cache/instances"
 URL = "http://10.0.0.90:9003"
@@ -150,7 +150,7 @@ def test_one_round_trip_once_the_registry_is_known(redis_client: redis.Redis) ->
 
 
 def test_redis_down_is_a_500_and_metrics_still_answer() -> None:
-    client = _client(Store(redis_client(Redis(url=f"redis://127.0.0.1:{free_port()}/0"))))
+    client = _client(Store(redis_client(Redis(url=f"redis://127.0.0.1:{reserve_port()}/0"))))
     result = client.simulate_get(PATH)
     assert result.status_code == 500
     assert orjson.loads(result.content) == {"message": "the state store is unreachable",

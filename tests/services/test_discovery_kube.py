@@ -17,7 +17,7 @@ from common.config import load_config
 from common.settings import DiscoverySettings
 from common.store import Instance, Store, TierOps
 from services.discovery.kube import KubeSource, connect
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import RedisServer, require, wait_for
 from tests.fake_kube import FakeKube, make_pod
 from tests.services.discovery_support import (
     MASTER,
@@ -311,9 +311,9 @@ def _self_signed(tmp_path: Path) -> tuple[str, str]:
     return str(cert), str(key)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 def test_in_cluster_config_https_token_and_namespace(tmp_path: Path, redis_server: RedisServer,
                                                      store: Store) -> None:
+    require(shutil.which("openssl"), "needs the openssl CLI (apt-get install openssl)")
     cert, key = _self_signed(tmp_path)
     server = FakeKube(token="sa-token", tls=(cert, key)).start()
     sa = tmp_path / "sa"

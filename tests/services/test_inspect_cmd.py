@@ -14,7 +14,7 @@ import redis
 
 from common.store import Store
 from services.tools import inspect_cmd
-from tests.conftest import ROOT, RedisServer, free_port
+from tests.conftest import ROOT, RedisServer, reserve_port
 from tests.services.test_api_instances import URL, populate
 
 
@@ -80,7 +80,7 @@ def test_problems_are_coloured_on_a_terminal(
 
 
 def test_unreachable_redis_exits_1_and_bad_config_2(tmp_path: Path) -> None:
-    err = _config(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
+    err = _config(tmp_path, f"redis://127.0.0.1:{reserve_port()}/0")
     assert inspect_cmd.main(["--config", err], io.StringIO()) == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("ingest:\n  l1:\n    hashCheckRate: -1\n", encoding="utf-8")

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -16,8 +17,10 @@ from common.blockhash import BlockHasher, HashSettings
 from common.settings import L3PollerSettings
 from common.store import Instance, Store
 from services.l3_poller.metrics import PollerMetrics
+from services.l3_poller import client as client_mod
+from services.l3_poller import poller as poller_mod
 from services.l3_poller.poller import L3Poller
-from tests.conftest import free_port, wait_for
+from tests.conftest import reserve_port, wait_for
 from tests.fake_master import FakeMaster
 
 HASHER = BlockHasher(HashSettings())
@@ -105,8 +108,9 @@ def test_segment_scope_sets_and_steady_state(harness_factory: Callable[..., Harn
     h.start(master)
     h.wait_members(POD_A, set(INTS[:4]))
     h.wait_members(POD_B, set(INTS[4:6]))
+    # The writer writes instance by instance: C's state may land just after B's set.
+    wait_for(lambda: h.store.l3_state(POD_C).get("blocks") == "0", what="C's state: 0 blocks")
     assert h.members(POD_C) == set()
-    assert h.store.l3_state(POD_C)["blocks"] == "0"
     state = h.store.l3_state(POD_A)
     assert state["master"] == master.url and state["stale"] == "0" and state["blocks"] == "4"
     # keys go out raw, never percent-encoded, and in bounded batches (batchSize 3)
@@ -192,10 +196,29 @@ def test_pool_scope_and_standalone_fallback(harness_factory: Callable[..., Harne
     assert h.members(POD_A) == {INTS[7]}
 
 
+class FrozenClock:
+    """The ``time`` of the poller and client modules: ``monotonic`` stands still until the
+    test advances it, so "younger than staleAfter" does not depend on how fast a loaded
+    machine polls. (HTTP timeouts are httpx's own, on the real clock.)"""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+
 @pytest.mark.parametrize("fault", ["503", "garbage", "binary", "truncated", "slow", "down"])
 def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
-                                        fault: str) -> None:
-    port = free_port()
+                                        monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    clock = FrozenClock()
+    monkeypatch.setattr(poller_mod, "time", clock)
+    monkeypatch.setattr(client_mod, "time", clock)  # the body deadline is on the same clock
+    port = reserve_port()
     master = FakeMaster("0.3.13", port=port).start()
     populate(master)
     h = harness_factory(stale_after=1.5, http_timeout=0.3)
@@ -213,6 +236,7 @@ def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
              what=f"failed polls ({fault})")
     assert h.members(POD_A) == set(INTS[:4])  # kept while younger than staleAfter
     assert h.store.l3_state(POD_A)["stale"] == "0"
+    clock.now += 1.5  # staleAfter has passed since the last good poll
     h.wait_members(POD_A, set(), what="state dropped after staleAfter")
     assert h.store.l3_state(POD_A)["stale"] == "1"
     assert h.metrics.master_stale.value(master=master.url) == 1
@@ -272,7 +296,7 @@ def test_command_exposes_metrics(redis_server: object, master: FakeMaster, tmp_p
     store.set_masters({master.url: "{}"})
     cfg = tmp_path / "c.yaml"  # type: ignore[operator]
     cfg.write_text(f"redis:\n  url: {url}\ningest:\n  l3:\n    pollInterval: 100ms\n")
-    port = free_port()
+    port = reserve_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "l3-poll", "--config", str(cfg),
          "--metrics-port", str(port)], env=subprocess_env, stderr=subprocess.PIPE)

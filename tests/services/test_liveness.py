@@ -25,7 +25,7 @@ from services.l1_ingest.sharding import StaticAssigner, run_assignment
 from services.l1_ingest.subscriber import Subscriber
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.poller import L3Poller
-from tests.conftest import free_port, wait_for
+from tests.conftest import reserve_port, wait_for
 
 TIMEOUT = 0.5  # the liveness timeout of these tests (metrics.livenessTimeout)
 
@@ -122,7 +122,7 @@ def test_l1_ingester_is_not_ready_without_redis() -> None:
     h = Health(10)  # redis-py retries a refused connection with backoff: allow for it
     probe = Probe(h)
     stop = threading.Event()
-    down = Store(redis.Redis(port=free_port(), socket_connect_timeout=0.2))
+    down = Store(redis.Redis(port=reserve_port(), socket_connect_timeout=0.2))
     t = _thread(run_assignment, stop, down, StaticAssigner(0, 1), lambda _: None,
                 interval=0.05, backoff=Backoff(0.05, 0.1), health=h)
     status, text = wait_for(lambda: (r := probe.get("/readyz"))[1] != "not ready: redis: "
@@ -143,7 +143,7 @@ def test_l1_subscriber_loop(redis_client: redis.Redis, health: tuple[Health, Pro
     wait_for(lambda: probe.get("/healthz")[0] == 200, what="a live subscriber")
     gate.close()  # the next subscription reads its cursor (last_seq) and hangs there
     sub.set_instances({"127.0.0.9": Instance(ip="127.0.0.9", uid="u",
-                                              zmq_endpoint=f"tcp://127.0.0.1:{free_port()}")})
+                                              zmq_endpoint=f"tcp://127.0.0.1:{reserve_port()}")})
     wait_for(gate.entered.is_set, timeout=10, what="the subscriber to enter the gate")
     _, text = wait_for(lambda: (r := probe.get("/healthz"))[0] == 503 and r,
                        what="/healthz to fail")

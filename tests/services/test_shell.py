@@ -16,7 +16,7 @@ from common import shell
 from common.config import Config
 from common.errors import ConfigError
 from common.settings import L1IngestSettings
-from tests.conftest import RedisServer, free_port, wait_for
+from tests.conftest import RedisServer, reserve_port, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +93,7 @@ def _clients(server: RedisServer, name: str) -> int:
 
 def test_a_worker_runs_with_its_settings_metrics_and_redis_then_all_is_closed(
         tmp_path: Path, redis_server: RedisServer) -> None:
-    port = free_port()
+    port = reserve_port()
     path = _config(tmp_path, f"redis:\n  url: {redis_server.url}\ningest:\n  l1:\n    topic: t\n")
     seen: dict[str, object] = {}
 

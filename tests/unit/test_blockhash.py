@@ -169,8 +169,15 @@ def test_cbor_integer_width_boundaries(block_size: int) -> None:
 def test_encoder_matches_cbor2_value_by_value() -> None:
     edges = CBOR_WIDTHS + [2**16, 2**31, 2**64 - 1]
     ids = sorted({v + d for v in edges for d in (-1, 0, 1) if 0 <= v + d < 2**64})
-    assert list(blockhash_cbor.encode_ids(ids, 2**64)) == [cbor2.dumps(v) for v in ids]
-    assert list(blockhash_cbor.encode_ids([70_000], 2**64)) == [cbor2.dumps(70_000)]
+    small = [v for v in ids if v < 2**32]
+    assert len(small) * 3 >= blockhash_cbor.NUMPY_FROM
+    for values in (ids, small, small * 3, [70_000]):  # per id, and numpy (small * 3)
+        ids, largest = blockhash_cbor.id_array(values, 2**64)
+        assert largest == max(values)
+        per_id = largest >= blockhash_cbor.ITEM_IDS_BELOW
+        encode = blockhash_cbor.encode_blocks_per_id if per_id else blockhash_cbor.encode_blocks
+        encoded, ends = encode(ids, 1)
+        assert [encoded[a:b] for a, b in zip([0, *ends], ends)] == [cbor2.dumps(v) for v in values]
     for text in ["", "a" * 23, "a" * 24, "a" * 255, "a" * 256, "a" * 65536, "租户-α🦙"]:
         assert blockhash_cbor.encode(text) == cbor2.dumps(text, canonical=True)
     keys = (("lora", "ad", "/p"), ("cache_salt", "s"), "bare")
@@ -363,3 +370,29 @@ def test_settings_defaults_and_hashable() -> None:
     assert HashSettings.from_strings("sha256_cbor", "0", "0.28.0") == settings
     assert len({settings, HashSettings()}) == 1
     assert none_hash(settings).hex().startswith("4e1195df")
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
+def test_the_bad_id_is_named_even_after_a_zero(algo: str) -> None:
+    """0 is a valid id on the slow (checked) path too: the error names the bad id."""
+    for version, bad in (((0, 28, 0), -1), ((0, 34, 0), 2**31)):
+        hasher = BlockHasher(HashSettings(algo=algo, vllm_version=version))
+        with pytest.raises(ValueError, match=rf"token id {bad} "):
+            hasher.digests([0, 1, 0, bad], 2)
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.31.0"])
+def test_event_ints_and_member_keys_carry_salt_and_lora(version: str) -> None:
+    case = next(c for c in VECTORS[version] if c["name"] == "lora_salt")
+    hasher = BlockHasher(HashSettings.from_strings(case["algo"], case["seed"], version))
+    args = (case["token_ids"], case["block_size"], case["cache_salt"], case["lora_name"],
+            case["lora_path"])
+    ints = [int(h[-16:], 16) for h in case["block_hashes_hex"]]  # vLLM's, from the file
+    assert hasher.event_ints(*args) == ints
+    assert hasher.member_keys(*args) == [str(i).encode() for i in ints]
+
+
+def test_oldest_supported_vllm_is_0_10_2() -> None:
+    assert BlockHasher(HashSettings(vllm_version=(0, 10, 2))).digests(list(range(16)), 16)
+    with pytest.raises(ConfigError, match="0.10.2 or newer"):
+        HashSettings(vllm_version=(0, 10, 1))

@@ -7,12 +7,14 @@ from typing import Any
 
 import pytest
 
+
 from tests.unit.test_chart import _deployment, _render, _rendered_config
+from tests.unit.test_chart import load_helm
 
 
 @pytest.fixture(scope="module")
 def helm() -> Any:
-    return pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) missing")
+    return load_helm()
 
 
 def _container(docs: dict[str, list[Any]], component: str) -> dict[str, Any]:

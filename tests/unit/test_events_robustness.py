@@ -252,11 +252,51 @@ def test_fuzz_only_decode_errors_escape() -> None:
 
 
 def test_random_bytes_never_raise_anything_but_decode_error() -> None:
+    """Random bytes (almost) never decode; decoding payloads are checked by
+    test_random_batches_that_decode_are_trustworthy and the fuzz test above."""
     rng = random.Random(7)
     for _ in range(2000):
         payload = rng.randbytes(rng.randint(0, 64))
         with contextlib.suppress(DecodeError):
             _assert_trustworthy(decode_batch(payload), payload)
+
+
+TEMPLATES: list[Any] = [GOOD_MAP, GOOD_ARRAY, ["AllBlocksCleared"], {"type": "AllBlocksCleared"},
+                        {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "token_ids": [1],
+                         "block_size": 1, "parent_block_hash": None, "lora_id": None}]
+
+
+def _random_event(rng: random.Random) -> Any:
+    """A valid event (templates and the real payloads' events), often with one field
+    replaced, added or dropped."""
+    event = copy.deepcopy(rng.choice(TEMPLATES + SEED_EVENTS))
+    if rng.random() < 0.6:
+        _mutate_structure(rng, [event])
+    return event
+
+
+SEED_EVENTS: list[Any] = [e for p in SEEDS for e in msgpack.unpackb(p, strict_map_key=False)[1]]
+
+
+def test_random_batches_that_decode_are_trustworthy() -> None:
+    """Batch-shaped random payloads: most decode (with or without skipped events), and every
+    one that decodes holds exactly the declared types."""
+    rng = random.Random(11)
+    outcomes = {"ok": 0, "skips": 0, "not_a_batch": 0}
+    for _ in range(3000):
+        batch_raw: list[Any] = [rng.choice([1.5, 0, 2**40, 1.0]),
+                                [_random_event(rng) for _ in range(rng.randrange(6))]]
+        if rng.random() < 0.8:
+            batch_raw.append(rng.choice([0, 1, 7, None]))
+        payload = bytes(msgpack.packb(batch_raw))
+        try:
+            batch = decode_batch(payload)
+        except DecodeError:
+            outcomes["not_a_batch"] += 1
+            continue
+        _assert_trustworthy(batch, payload)
+        outcomes["skips" if batch.skipped else "ok"] += 1
+    assert outcomes["ok"] > 500 and outcomes["skips"] > 500, outcomes
 
 
 def test_encoded_batches_always_decode() -> None:
@@ -280,3 +320,11 @@ def test_unhashable_map_key_only_costs_its_own_event() -> None:
     batch = decode_batch(payload)
     assert batch.events == [BlockRemoved([7], "GPU"), AllBlocksCleared(), BlockRemoved([7], "GPU")]
     assert [s.index for s in batch.skipped] == [2]
+
+
+def test_block_removed_array_with_every_field_and_future_fields() -> None:
+    fields = [[5], "GPU", 0, "full_attention", "sess-1"]
+    expected = BlockRemoved(*fields)  # type: ignore[arg-type]
+    for trailing in ([], [None], ["future", 7, None]):
+        batch = decode_batch(_batch(["BlockRemoved", *fields, *trailing]))
+        assert batch.events == [expected] and batch.skipped == [], trailing

@@ -153,3 +153,63 @@ def test_rank_endpoints() -> None:
     assert rank_endpoint("tcp://10.0.0.5:5557", 1) == "tcp://10.0.0.5:5558"
     assert rank_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
     assert rank_endpoint("", 1) == ""
+
+
+# -- boundaries found by the mutation pass (docs/testing.md) ------------------------------
+
+
+def test_classify_boundaries() -> None:
+    cursor = Cursor(applied=5, covered_from=3)
+    assert classify(cursor, 6) == Verdict.APPLY
+    assert classify(cursor, 7) == Verdict.GAP, "one missing batch is a gap"
+    assert classify(cursor, 5) == Verdict.DUPLICATE, "the last applied one again"
+    assert classify(cursor, 3) == Verdict.DUPLICATE, "the first this session applied"
+    assert classify(cursor, 2) == Verdict.RESTART, "below what this session applied"
+    assert classify(Cursor(applied=5, live_max=9, covered_from=3), 5) == Verdict.RESTART
+    assert classify(Cursor(), 0) == Verdict.APPLY and classify(Cursor(), 1000) == Verdict.APPLY
+
+
+def test_cursor_bookkeeping() -> None:
+    cursor = Cursor()
+    assert cursor.expected() is None
+    cursor.mark_restart()
+    assert (cursor.applied, cursor.reset_pending, cursor.expected()) == (-1, True, 0)
+    cursor.mark_applied(0)
+    assert (cursor.applied, cursor.reset_pending, cursor.covered_from) == (0, False, 0)
+    cursor.mark_applied(4)
+    assert (cursor.applied, cursor.covered_from, cursor.expected()) == (4, 0, 5)
+
+
+def test_plan_run_orders_by_sequence_and_keeps_the_first_copy() -> None:
+    steps, dropped = plan_run(None, [(3, b"c"), (1, b"z"), (1, b"a"), (2, b"b")])
+    assert [(s.seq, s.payload, s.gap_before) for s in steps] == [
+        (1, b"z", False), (2, b"b", False), (3, b"c", False)]
+    assert dropped == 1
+    steps, dropped = plan_run(4, [(9, b"a"), (4, b"x"), (6, b"b")])
+    assert [(s.seq, s.payload, s.gap_before) for s in steps] == [(6, b"b", True),
+                                                                 (9, b"a", True)]
+    assert dropped == 1
+
+
+def test_outcome_labels_and_media_counts() -> None:
+    from common.events import SkippedEvent
+    from services.l1_ingest.apply import medium_label
+
+    assert [medium_label(m) for m in ("cpu", "CPU", "Disk", None, "", "NVME", "GPU")] == [
+        "CPU", "CPU", "DISK", "other", "other", "other", "GPU"]
+    skips = [SkippedEvent(1, "malformed", "x"), SkippedEvent(2, "malformed", "y")]
+    plan = plan_ops(batch(AllBlocksCleared(), BlockRemoved([1], medium="GPU"),
+                          stored([2], medium="cpu"), stored([3], medium="nvme"),
+                          BlockRemoved([4], medium="weird"), skipped=skips))
+    assert plan.outcomes == {("AllBlocksCleared", "l1"): 1, ("BlockRemoved", "l1"): 1,
+                             ("BlockStored", "l2"): 2, ("BlockRemoved", "l2"): 1,
+                             ("unknown", "skipped:malformed"): 2}
+    assert plan.other_media == {"CPU": 1, "other": 2}
+
+
+def test_only_an_event_without_tokens_and_block_size_is_a_placeholder() -> None:
+    plan = plan_ops(batch(stored([1], token_ids=[], block_size=0),
+                          stored([2], token_ids=[], block_size=4),
+                          stored([3], token_ids=[1, 2, 3, 4], block_size=0)))
+    assert plan.outcomes == {("BlockStored", "placeholder"): 1, ("BlockStored", "l1"): 2}
+    assert plan.ops.ops == [("S", "l1", [2, 3])]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import redis
 
@@ -96,9 +98,12 @@ def test_all_blocks_cleared_only_clears_its_rank(store: Store) -> None:
 
 
 def test_gap_flag_is_counted(store: Store) -> None:
-    gen = _register(store)
+    gen = _register(store, dp_size=2)
     store.apply_batch(IP, gen, 0, 10, TierOps(), gap=True)
     assert store.l1_state(IP)["gap:0"] == "1"
+    store.apply_batch(IP, gen, 0, 11, TierOps())  # only a flagged batch counts
+    store.apply_batch(IP, gen, 1, 0, TierOps())
+    assert store.l1_state(IP) == {"seq:0": "11", "seq:1": "0", "gap:0": "1"}
 
 
 def test_writes_are_fenced_by_generation_and_owner(store: Store) -> None:
@@ -139,6 +144,7 @@ def test_container_restart_drops_l1_but_keeps_l3(store: Store) -> None:
     result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
     assert result == "restarted" and new_gen > gen
     assert store.tier_members(IP) == set()
+    assert not store.r.exists(keys.tier_rank_counts(IP, 0, "l1")), "per-rank copies dropped"
     assert store.l3_members(IP) == {3}
 
 
@@ -195,6 +201,9 @@ def test_leases_and_ingester_heartbeats(store: Store) -> None:
     assert store.claim_discovery_lease("d1", 10_000)
     assert not store.claim_discovery_lease("d2", 10_000)
     assert store.claim_discovery_lease("d1", 10_000), "renewal by the holder"
+    assert store.r.get(keys.lease("discovery")) == b"d1"
+    assert not store.release_discovery_lease("d2")
+    assert store.release_discovery_lease("d1") and store.claim_discovery_lease("d2", 10_000)
     assert store.heartbeat_ingester("a", 10_000) == ["a"]
     assert store.heartbeat_ingester("b", 10_000) == ["a", "b"]
     store.leave_ingesters("a")
@@ -248,3 +257,144 @@ def test_touch_l3_state_is_fenced_by_generation(store: Store) -> None:
     assert store.touch_l3_state(IP, {"updated_ms": "2"}, gen)
     assert not store.touch_l3_state(IP, {"updated_ms": "3"}, gen + 1)
     assert store.l3_state(IP)["updated_ms"] == "2" and store.l3_members(IP) == {1}
+
+
+# -- direct tests of the fences and copy counts (issue 14) ---------------------------------
+
+
+def test_owner_checked_write_is_still_fenced_by_generation(store: Store) -> None:
+    """A lease holder writing with an old generation (the pod behind the IP changed) is
+    refused: the generation is checked whether or not an owner is given."""
+    old_gen = _register(store, uid="pod-a")
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    store.apply_batch(IP, old_gen, 0, 0, _ops(("S", "l1", [1])), owner="ingester-a")
+    _, new_gen = store.upsert_instance(Instance(ip=IP, uid="pod-b"))  # a new pod, same IP
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    for gen in (old_gen, new_gen + 1):
+        res = store.apply_batch(IP, gen, 0, 1, _ops(("S", "l1", [2])), owner="ingester-a")
+        assert (res.status, res.stored) == ("stale_gen", 0)
+    assert store.tier_members(IP) == set() and store.last_seq(IP, 0) is None
+    res = store.apply_batch(IP, new_gen, 0, 1, _ops(("S", "l1", [3])), owner="ingester-a")
+    assert res.status == "applied" and store.tier_members(IP) == {3}
+
+
+def test_owner_checked_write_after_a_container_restart_is_refused(store: Store) -> None:
+    """Same pod, restarted container: the ingester that still holds the lease and the old
+    generation must not write the old container's events into the new index."""
+    gen = _register(store, restarts="0", dp_size=2)
+    assert store.claim_instance(IP, "ingester-a", 10_000)
+    store.apply_batch(IP, gen, 0, 4, _ops(("S", "l1", [1, 2])), owner="ingester-a")
+    result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1", dp_size=2))
+    assert result == "restarted" and new_gen > gen
+    for rank, reset in ((0, False), (0, True), (1, False)):
+        res = store.apply_batch(IP, gen, rank, 5, _ops(("S", "l1", [9])), owner="ingester-a",
+                                reset=reset)
+        assert (res.status, res.stored, res.cleared) == ("stale_gen", 0, 0)
+    assert store.tier_members(IP) == set() and store.tier_counts(IP) == {}
+    assert store.l1_state(IP) == {}
+    # The lease holder at the new generation writes; another holder is still refused.
+    res = store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])), owner="ingester-b")
+    assert res.status == "not_owner"
+    assert store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])),
+                             owner="ingester-a").status == "applied"
+    assert store.tier_members(IP) == {5}
+
+
+@pytest.mark.parametrize("how", ["reset", "all_blocks_cleared"])
+def test_clearing_a_rank_subtracts_exactly_its_own_copies(store: Store, how: str) -> None:
+    """Hash 7 is held twice by rank 0 and once by rank 1 (DP ranks share the instance's
+    set): clearing rank 0 must subtract its two copies, leaving rank 1's one."""
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 8]), ("S", "l1", [7]),
+                                          ("S", "l2", [5, 5])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [7]), ("S", "l2", [5])))
+    assert store.tier_counts(IP) == {7: 3, 8: 1}
+    assert store.tier_counts(IP, "l2") == {5: 3}
+    if how == "reset":
+        res = store.apply_batch(IP, gen, 0, 0, TierOps(), reset=True)
+    else:
+        res = store.apply_batch(IP, gen, 0, 1, _ops(("C", "l1", []), ("C", "l2", [])))
+    assert (res.status, res.cleared) == ("applied", 3)  # distinct hashes 7, 8 (l1), 5 (l2)
+    assert store.tier_counts(IP) == {7: 1} and store.tier_members(IP) == {7}
+    assert store.tier_counts(IP, "l2") == {5: 1} and store.tier_members(IP, "l2") == {5}
+    # Rank 1 removes its copy: nothing is left, and nothing went negative.
+    res = store.apply_batch(IP, gen, 1, 1, _ops(("R", "l1", [7]), ("R", "l2", [5])))
+    assert (res.removed, res.unknown_removes) == (2, 0)
+    assert store.tier_counts(IP) == {} and store.tier_members(IP) == set()
+    assert store.tier_members(IP, "l2") == set()
+    # Rank 0's cleared copies are gone for good: removing them again is "unknown".
+    res = store.apply_batch(IP, gen, 0, 2, _ops(("R", "l1", [7, 7, 8])))
+    assert (res.removed, res.unknown_removes) == (0, 3)
+
+
+def test_resetting_the_other_rank_keeps_a_duplicate_held_twice(store: Store) -> None:
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 7])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [7])))
+    store.apply_batch(IP, gen, 1, 0, TierOps(), reset=True)
+    assert store.tier_counts(IP) == {7: 2}
+    store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7])))
+    assert store.tier_counts(IP) == {7: 1} and store.tier_members(IP) == {7}
+
+
+def test_generation_never_goes_back_when_the_server_clock_does(store: Store) -> None:
+    """The next generation is above the last one even if Redis's clock is behind it (a
+    server restarted on a host with a slower clock, or two changes in one millisecond)."""
+    _register(store, restarts="0")
+    far = 10**15  # ~ year 33658 in ms: above any clock reading
+    store.r.set(keys.instance_gen(IP), str(far))
+    store.r.hset(keys.instance_meta(IP), "gen", str(far))
+    result, gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
+    assert result == "restarted" and gen == far + 1
+    assert store.remove_instance(IP)
+    assert _register(store) == far + 3  # removal took far + 2
+
+
+def test_removed_copies_leave_no_per_rank_entries(store: Store) -> None:
+    """A hash whose copies a rank removed is gone from that rank's count hash too (no
+    zero entries piling up for the life of the pod)."""
+    gen = _register(store)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 7, 8]), ("S", "l2", [9])))
+    store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7, 8, 7]), ("R", "l2", [9])))
+    for tier in ("l1", "l2"):
+        assert not store.r.exists(keys.tier_rank_counts(IP, 0, tier)), tier
+        assert not store.r.exists(keys.tier_counts(IP, tier)), tier
+
+
+def test_renewing_a_lease_extends_it_and_only_its_holder_releases_it(store: Store) -> None:
+    assert store.claim_instance(IP, "ingester-a", 1_000)
+    assert store.claim_instance(IP, "ingester-a", 600_000), "renewal by the holder"
+    assert store.r.pttl(keys.l1_owner(IP)) > 1_000, "the renewal extended the lease"
+    assert not store.release_instance(IP, "ingester-b")
+    assert not store.claim_instance(IP, "ingester-b", 1_000)
+    assert store.release_instance(IP, "ingester-a")
+    assert store.claim_instance(IP, "ingester-b", 1_000)
+
+
+def test_instance_round_trips_through_the_registry(store: Store) -> None:
+    inst = Instance(ip=IP, uid="u-1", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:5557",
+                    replay_endpoint="tcp://10.0.0.5:5558", dp_size=4, role="prefill",
+                    restarts="3")
+    _, gen = store.upsert_instance(inst)
+    assert store.get_instance(IP) == dataclasses.replace(inst, gen=gen)
+    assert store.list_instances() == [dataclasses.replace(inst, gen=gen)]
+    assert store.get_instance("10.9.9.9") is None
+    # Fields a registry entry lacks (or holds empty) read as the defaults.
+    assert Instance.from_meta(IP, {}) == Instance(ip=IP, uid="")
+    assert Instance.from_meta(IP, {"dp": "", "gen": "", "uid": "u"}) == Instance(ip=IP, uid="u")
+
+
+def test_writes_use_exactly_the_documented_keys(store: Store) -> None:
+    """Every key an instance's writes create is one that common.keys spells."""
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1]), ("S", "l2", [2])), gap=True)
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [3]), ("S", "l2", [4])))
+    store.replace_l3(IP, [5], {"master": "m"}, gen=gen)
+    store.claim_instance(IP, "ing", 10_000)
+    expected = {keys.INSTANCES, keys.instance_meta(IP), keys.instance_gen(IP), keys.l1_state(IP),
+                keys.l1_owner(IP), keys.l3_set(IP), keys.l3_state(IP)}
+    for tier in ("l1", "l2"):
+        expected |= {keys.tier_set(IP, tier), keys.tier_counts(IP, tier),
+                     keys.tier_rank_counts(IP, 0, tier), keys.tier_rank_counts(IP, 1, tier)}
+    assert {k.decode() for k in store.r.keys("*")} == expected
+    assert store.r.hgetall(keys.tier_rank_counts(IP, 1, "l2")) == {b"4": b"1"}

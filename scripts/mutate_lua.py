@@ -1,0 +1,167 @@
+"""Hand-made mutants of the store's Lua scripts (common/store_lua.py), for docs/testing.md.
+
+mutmut mutates Python only; the scripts that fence generations and count copies are Lua
+strings. This applies each mutant below, one at a time, to a throwaway copy of the
+repository, runs the store tests against it, and prints whether the tests killed it::
+
+    python scripts/mutate_lua.py [pytest paths; default tests/unit/test_store.py]
+    ONLY='CLAIM: renewal does not extend' python scripts/mutate_lua.py
+
+The working tree is never modified. Exit status 1 if a mutant not marked equivalent survived.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENT = {"APPLY: store always SADDs (equivalent)"}
+
+M: list[tuple[str, str, str]] = [  # name, original text, mutated text
+    ('APPLY: generation checked only without an owner',
+     "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end",
+     "if ARGV[4] == '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, "
+     '0, 0} end'),
+    ('APPLY: owner never checked',
+     "if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} en"
+     'd',
+     "if false and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end"),
+    ("clear_rank subtracts 1, not the rank's copies",
+     "HINCRBY', cnt, flat[i], -tonumber(flat[i + 1]))",
+     "HINCRBY', cnt, flat[i], -1)"),
+    ('clear_rank keeps the per-rank hash',
+     "  redis.call('UNLINK', rkey)\n  return #flat / 2",
+     '  return #flat / 2'),
+    ('clear_rank keeps a member whose count reached 0',
+     "    if left <= 0 then\n      redis.call('HDEL', cnt, flat[i])\n      redis.call('SREM', se"
+     't, flat[i])',
+     "    if left < 0 then\n      redis.call('HDEL', cnt, flat[i])\n      redis.call('SREM', set"
+     ', flat[i])'),
+    ('APPLY: equal sequence applied again (< instead of <=)',
+     'if last and seq <= tonumber(last) then',
+     'if last and seq < tonumber(last) then'),
+    ('APPLY: reset keeps the old sequence',
+     "  redis.call('HDEL', KEYS[3], seqf)\nend",
+     'end'),
+    ('APPLY: reset does not clear L2',
+     "cleared = clear_rank('l1', rank) + clear_rank('l2', rank)",
+     "cleared = clear_rank('l1', rank)"),
+    ('APPLY: AllBlocksCleared clears tier l1 whatever the tier',
+     '    cleared = cleared + clear_rank(tier, rank)',
+     "    cleared = cleared + clear_rank('l1', rank)"),
+    ('APPLY: gap not counted',
+     "if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end",
+     ''),
+    ('APPLY: store adds to the set only on the 2nd copy',
+     "if redis.call('HINCRBY', cnt, h, 1) == 1 then redis.call('SADD', set, h) end",
+     "if redis.call('HINCRBY', cnt, h, 1) == 2 then redis.call('SADD', set, h) end"),
+    ('APPLY: store always SADDs (equivalent)',
+     "if redis.call('HINCRBY', cnt, h, 1) == 1 then redis.call('SADD', set, h) end",
+     "redis.call('HINCRBY', cnt, h, 1)\n      redis.call('SADD', set, h)"),
+    ('APPLY: remove keeps a zero entry in the rank hash',
+     "if c == 1 then redis.call('HDEL', rkey, h) else redis.call('HINCRBY', rkey, h, -1) end",
+     "redis.call('HINCRBY', rkey, h, -1)"),
+    ('APPLY: remove keeps a member at count 0',
+     "        if redis.call('HINCRBY', cnt, h, -1) <= 0 then",
+     "        if redis.call('HINCRBY', cnt, h, -1) < 0 then"),
+    ('APPLY: remove of an unknown hash not counted',
+     '        unknown = unknown + 1',
+     '        unknown = unknown'),
+    ('APPLY: sequence not recorded',
+     "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nreturn {1,",
+     'return {1,'),
+    ('UPSERT: container restart keeps L1',
+     "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  drop_event_tiers()",
+     "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  local _ = 0"),
+    ('UPSERT: new pod keeps L3',
+     'elseif cur_uid ~= uid then\n  drop_all()',
+     'elseif cur_uid ~= uid then\n  drop_event_tiers()'),
+    ('UPSERT: new pod keeps the generation',
+     "if result == 'unchanged' or result == 'updated' then",
+     "if result ~= 'added' then"),
+    ('UPSERT: a changed field reported unchanged',
+     "if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end",
+     ''),
+    ('next_gen ignores the clock (repeats after data loss)',
+     "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
+     "local gen = tonumber(redis.call('GET', KEYS[2]) or '0') + 1"),
+    ('next_gen ignores the last generation',
+     "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
+     'local gen = now'),
+    ('REMOVE: generation not bumped',
+     "redis.call('DEL', KEYS[1])\nnext_gen()\nreturn existed",
+     "redis.call('DEL', KEYS[1])\nreturn existed"),
+    ('drop_event_tiers keeps the per-rank hashes',
+     "    redis.call('UNLINK', ARGV[1] .. r, ARGV[2] .. r)\n",
+     ''),
+    ('drop_all keeps the owner lease',
+     "  redis.call('UNLINK', KEYS[4], KEYS[9], KEYS[10], KEYS[11])",
+     "  redis.call('UNLINK', KEYS[9], KEYS[10], KEYS[11])"),
+    ('REPLACE_L3: generation not checked',
+     "   or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then",
+     '   or false then'),
+    ('REPLACE_L3: unregistered instance written',
+     "if redis.call('EXISTS', KEYS[1]) == 0\n   or",
+     'if false\n   or'),
+    ('REPLACE_L3: empty set keeps the old one',
+     "else\n  redis.call('UNLINK', KEYS[9])\nend",
+     'end'),
+    ('TOUCH_L3: generation not checked',
+     "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end\nredis.call('HSET', KEY"
+     'S[11]',
+     "redis.call('HSET', KEYS[11]"),
+    ('CLAIM: renewal does not extend',
+     "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n",
+     ''),
+    ("CLAIM: another holder's lease taken",
+     "if not cur then\n  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n  return 1\nend\nre"
+     'turn 0',
+     "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\nreturn 1"),
+    ('HEARTBEAT: expired ingesters not pruned',
+     "redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))\n",
+     ''),
+    ("RELEASE: another holder's lease released",
+     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end",
+     "return redis.call('DEL', KEYS[1])"),
+]
+
+
+def run(tests: list[str]) -> int:
+    only = set(filter(None, os.environ.get("ONLY", "").split("|")))
+    bad = 0
+    with tempfile.TemporaryDirectory(prefix="lua-mutants-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
+            ".git", "mutants", "__pycache__", ".pytest_cache", ".local-stack"))
+        target = copy / "common" / "store_lua.py"
+        original = target.read_text()
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        for name, old, new in M:
+            if only and name not in only:
+                continue
+            if original.count(old) != 1:
+                print(f"{name}: STALE (the original text is not found once)")
+                bad += 1
+                continue
+            target.write_text(original.replace(old, new))
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                cwd=copy, env=env, capture_output=True, text=True, timeout=900, check=False)
+            target.write_text(original)
+            killer = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
+            if proc.returncode != 0:
+                print(f"{name}: killed ({killer[7:].split(' - ')[0]})", flush=True)
+            else:
+                equivalent = name in EQUIVALENT
+                bad += not equivalent
+                print(f"{name}: SURVIVED{' (equivalent)' if equivalent else ''}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:] or ["tests/unit/test_store.py"]))
