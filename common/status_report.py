@@ -25,6 +25,7 @@ Ages are computed against Redis ``TIME``; ``*_ms`` stamps are the writers' wall 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 
@@ -32,10 +33,35 @@ from common.redis_client import Client
 
 from common import keys
 
-STATES = ("synced", "replaying", "gap", "no_events", "unreachable", "unassigned")
+
+
+class InstanceState(StrEnum):
+    """An instance's ``l1.state`` (see the module docstring); the values are what the API,
+    ``inspect`` and the state gauge's label show."""
+
+    SYNCED = "synced"
+    REPLAYING = "replaying"
+    GAP = "gap"
+    NO_EVENTS = "no_events"
+    UNREACHABLE = "unreachable"
+    UNASSIGNED = "unassigned"
+
+
+class ConnState(StrEnum):
+    """The connection state an L1 ingester reports for an instance (``conn``), best first."""
+
+    CONNECTED = "connected"
+    CONNECTING = "connecting"
+    DISCONNECTED = "disconnected"
+    UNREACHABLE = "unreachable"
+    RETRYING = "retrying"
+    """No socket: the ingester waits to resubscribe (see ``conn_detail``)."""
+
+
+STATES = tuple(InstanceState)
 """Every ``l1.state`` (the order of the per-instance state gauge)."""
 _PER_IP = ("meta", "l1", "owner", "blocks", "l3")
-_UNREACHABLE = frozenset({"unreachable", "disconnected", "retrying"})
+_UNREACHABLE = frozenset({ConnState.UNREACHABLE, ConnState.DISCONNECTED, ConnState.RETRYING})
 _MIN_FRESH_S = 3.0
 
 
@@ -152,29 +178,32 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
 
 
 def l1_state(l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
-             ) -> tuple[str, str]:  # fmt: skip
+             ) -> tuple[InstanceState, str]:  # fmt: skip
     """(state, one-line reason) of an instance's L1 index; see the module docstring."""
     now = raw.now_ms
     status_age = _age(l1.get("status_ms"), now)
     fresh_s = max(limits.lease_ttl, _MIN_FRESH_S)
     if owner is not None and raw.ingesters.get(owner, 0) <= now:
-        return "unassigned", f"its owner {owner} stopped heartbeating"
+        return InstanceState.UNASSIGNED, f"its owner {owner} stopped heartbeating"
     if status_age is None or status_age > fresh_s:
-        return "unassigned", ("no ingester has reported on it" if status_age is None else
-                              f"no ingester has reported on it for {status_age:.0f}s")
+        return InstanceState.UNASSIGNED, (
+            "no ingester has reported on it" if status_age is None
+            else f"no ingester has reported on it for {status_age:.0f}s")
     conn = l1.get("conn", "")
     if conn in _UNREACHABLE:
-        return "unreachable", f"{conn}: {l1.get('conn_detail', '')}".rstrip(": ")
+        return InstanceState.UNREACHABLE, f"{conn}: {l1.get('conn_detail', '')}".rstrip(": ")
     if l1.get("replaying") == "1":
-        return "replaying", "catching up through the replay endpoint"
+        return InstanceState.REPLAYING, "catching up through the replay endpoint"
     gaps = sum(_int(v) for k, v in l1.items() if k.startswith("gap:"))
     if gaps:
-        return "gap", f"{gaps} unrecoverable gap(s) kept: blocks may be missing or stale"
+        return InstanceState.GAP, (f"{gaps} unrecoverable gap(s) kept: blocks may be missing "
+                                   "or stale")
     quiet = _age(l1.get("last_event_ms") or l1.get("subscribed_ms"), now) or 0.0
     if quiet > limits.no_events_after:
         seen = "nothing received" if "last_event_ms" not in l1 else "no batch"
-        return "no_events", f"{seen} for {quiet:.0f}s (noEventsAfter {limits.no_events_after:g}s)"
-    return "synced", ""
+        return InstanceState.NO_EVENTS, (f"{seen} for {quiet:.0f}s "
+                                         f"(noEventsAfter {limits.no_events_after:g}s)")
+    return InstanceState.SYNCED, ""
 
 
 def _master(url: str, state: dict[str, str], now_ms: int) -> dict[str, Any]:

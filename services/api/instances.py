@@ -75,8 +75,8 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
                             labels=("server_ip",))
     for inst in report["instances"]:
         ip, l1 = inst["server_ip"], inst["l1"]
-        for name in STATES:
-            state.add_metric((ip, name), 1 if l1["state"] == name else 0)
+        for st in STATES:
+            state.add_metric((ip, st.value), 1 if l1["state"] == st else 0)
         for name in _HASH_CHECKS:
             check.add_metric((ip, name), 1 if l1["hash_check"] == name else 0)
         blocks.add_metric((ip, "l1"), l1["blocks"])

@@ -32,13 +32,14 @@ import redis
 from common.errors import ConfigError
 from common.lifecycle import StateLog
 from common.settings import L1IngestSettings
+from common.status_report import ConnState
 from common.store import Instance, L1Status, Store
 from services.l1_ingest.hashcheck import UNCHECKED, HashChecker
 from services.l1_ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
 
-CONN_ORDER = ("connected", "connecting", "disconnected", "unreachable", "retrying")
+CONN_ORDER = tuple(ConnState)
 """Connection states, best first; an instance shows its worst rank."""
 
 
@@ -91,10 +92,10 @@ class InstanceStatus:
         self._acked = self._pending
 
 
-def worst(states: list[str]) -> str:
+def worst(states: list[str]) -> ConnState:
     """The worst connection state of an instance's ranks."""
-    known = [s for s in states if s in CONN_ORDER]
-    return max(known, key=CONN_ORDER.index) if known else "connecting"
+    known = [ConnState(s) for s in states if s in CONN_ORDER]
+    return max(known, key=CONN_ORDER.index) if known else ConnState.CONNECTING
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class ConnRound:
     """What the subscriber knows of one wanted instance's sockets this round."""
 
     inst: Instance
-    conn: str
+    conn: ConnState
     detail: str
     replaying: bool
 
@@ -144,7 +145,7 @@ class StatusBoard:
         pending = []
         for r in rounds:
             status = self.of(r.inst)
-            detail = r.detail if r.conn != "retrying" else status.retry_reason
+            detail = r.detail if r.conn is not ConnState.RETRYING else status.retry_reason
             pending.append((status, status.update(self.owner, self.ingester, r.conn, detail,
                                                   r.replaying)))
         try:

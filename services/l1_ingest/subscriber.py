@@ -38,6 +38,7 @@ from common.errors import FencedError
 from common.health import Health
 from common.lifecycle import Backoff, StateLog
 from common.settings import L1IngestSettings
+from common.status_report import ConnState
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.status import ConnRound, StatusBoard, worst
@@ -221,7 +222,7 @@ class Subscriber:
         self._by_socket[monitor] = (SocketKind.MONITOR, conn)
         self._dirty = True
         sub.connect(rank_endpoint(inst.zmq_endpoint, rank))
-        conn.state.set("connecting", rank_endpoint(inst.zmq_endpoint, rank))
+        conn.state.set(ConnState.CONNECTING, rank_endpoint(inst.zmq_endpoint, rank))
         self.metrics.subscribed.set(len(self._conns))
 
     def _drop(self, ip: str) -> None:
@@ -255,11 +256,11 @@ class Subscriber:
         for ip, inst in self._wanted.items():
             ranks = [c for (i, _), c in self._conns.items() if i == ip]
             if ip in self._active and ranks:
-                conn = worst([c.state.state or "connecting" for c in ranks])
+                conn = worst([c.state.state or ConnState.CONNECTING for c in ranks])
                 replaying = any(c.stream.replay is not None for c in ranks)
                 rounds.append(ConnRound(inst, conn, inst.zmq_endpoint, replaying))
             else:
-                rounds.append(ConnRound(inst, "retrying", "", False))
+                rounds.append(ConnRound(inst, ConnState.RETRYING, "", False))
         self.board.write(rounds)
 
     def _schedule_retry(self, ip: str, why: str) -> None:
@@ -345,15 +346,15 @@ class Subscriber:
                 return
             code = event["event"]
             if code == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                conn.state.set("connected", str(event["endpoint"]))
+                conn.state.set(ConnState.CONNECTED, str(event["endpoint"]))
                 if not conn.connected:
                     conn.connected = True
                     self.metrics.connected.inc(1)
                 conn.stream.on_connected()
             elif code == zmq.EVENT_DISCONNECTED:
-                conn.state.set("disconnected", "libzmq reconnects", logging.WARNING)
+                conn.state.set(ConnState.DISCONNECTED, "libzmq reconnects", logging.WARNING)
                 if conn.connected:
                     conn.connected = False
                     self.metrics.connected.inc(-1)
             elif code == zmq.EVENT_CONNECT_RETRIED:
-                conn.state.set("unreachable", "retrying", logging.WARNING)
+                conn.state.set(ConnState.UNREACHABLE, "retrying", logging.WARNING)

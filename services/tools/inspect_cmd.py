@@ -22,10 +22,11 @@ from common.config import config_path_from, load_config
 from common.errors import ConfigError
 from common.redis_client import Client, connect, describe
 from common.settings import instance_limits
-from common.status_report import StatusReader, build_report
+from common.status_report import InstanceState, StatusReader, build_report
 
 _RED, _YELLOW, _RESET = "\033[31m", "\033[33m", "\033[0m"
-_BAD_STATES = {"unassigned", "unreachable", "no_events", "gap"}
+_BAD_STATES = {InstanceState.UNASSIGNED, InstanceState.UNREACHABLE, InstanceState.NO_EVENTS,
+               InstanceState.GAP}
 _INSTANCE_COLS = ("SERVER_IP", "POD", "L1_STATE", "L1_BLOCKS", "HASH_CHECK", "LAST_EVENT",
                   "GAPS", "INGESTER", "L3_BLOCKS", "L3_AGE", "NOTE")  # fmt: skip
 _MASTER_COLS = ("MASTER", "KEYS", "UNPARSED", "SAMPLE_UNPARSED", "AGE", "STALE", "ERROR")

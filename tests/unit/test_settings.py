@@ -9,6 +9,7 @@ import pytest
 from common.blockhash import HashSettings
 from common.config import Config, L3Model, load_config
 from common.errors import ConfigError
+from common.status_report import Limits
 from common.settings import (
     ApiSettings,
     DiscoverySettings,
@@ -84,6 +85,8 @@ ingest:
     leaseTTL: 8s
     heartbeatInterval: 2s
     replayTimeout: 6s
+    hashCheckRate: 7
+    noEventsAfter: 45s
   l3:
     scheme: https
     pollInterval: 4s
@@ -142,7 +145,9 @@ def test_discovery_settings_take_the_original_cross_section_keys(cfg: Config) ->
 def test_l1_ingest_settings(cfg: Config) -> None:
     assert L1IngestSettings.from_config(cfg) == L1IngestSettings(
         topic="kv", on_unrecoverable_gap="clear", shard_mode="static", lease_ttl=8.0,
-        heartbeat_interval=2.0, replay_timeout=6.0, backoff_initial=2.0, backoff_max=40.0)
+        heartbeat_interval=2.0, replay_timeout=6.0, backoff_initial=2.0, backoff_max=40.0,
+        hash_check_rate=7, no_events_after=45.0,
+        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)))
 
 
 def test_l3_poller_settings_take_the_segment_query_timeout(cfg: Config) -> None:
@@ -159,14 +164,17 @@ def test_api_settings(cfg: Config) -> None:
         read_header_timeout=12.0, read_timeout=31.0, write_timeout=32.0, idle_timeout=121.0,
         max_header_bytes=65536, max_hit_rate_body_bytes=1000000, max_candidates=64,
         hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
+        instance_limits=Limits(no_events_after=45.0, lease_ttl=8.0),  # the ingesters' keys
         log_level="debug")
 
 
-def test_api_settings_refuse_an_unusable_block_key(tmp_path: Path) -> None:
+def test_an_unusable_block_key_is_refused_at_the_edge(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("blockKey:\n  vllmVersion: not-a-version\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="not-a-version"):
-        ApiSettings.from_config(load_config(path, env={}))
+    cfg = load_config(path, env={})
+    for settings in (ApiSettings, L1IngestSettings):
+        with pytest.raises(ConfigError, match="not-a-version"):
+            settings.from_config(cfg)
 
 
 def test_settings_are_frozen() -> None:
