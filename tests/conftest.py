@@ -128,29 +128,33 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last error: {last_exc!r}")
 
 
-class RedisServer:
-    """A real redis-server on a free loopback port, in its own temp dir."""
+class Node:
+    """One server process; ``args`` are extra command-line config directives."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, exe: str = "redis-server", args: list[str] | None = None,
+                 port: int | None = None, workdir: str | None = None,
+                 ping: dict[str, Any] | None = None) -> None:
+        self.exe = shutil.which(exe) or exe
         self.port = port or reserve_port()
-        self.dir = tempfile.mkdtemp(prefix="ci-redis-")
+        self.dir = workdir or tempfile.mkdtemp(prefix="ci-node-")
+        self.args = args or []
+        self.ping_options = ping or {}  # how to reach it for the readiness check
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> RedisServer:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    def start(self) -> Node:
+        if not os.path.exists(self.exe):
+            raise RuntimeError(f"{self.exe} is not installed (scripts/setup.sh installs it)")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        wait_for(client.ping, timeout=10, what="redis-server to answer PING")
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no", *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        options = {"port": self.port, "socket_timeout": 1, **self.ping_options}
+        client = redis.Redis(**options)
+        wait_for(client.ping, timeout=15, what=f"{self.exe} on {self.port} to answer PING")
         client.close()
         return self
 
@@ -158,7 +162,7 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -167,6 +171,13 @@ class RedisServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisServer(Node):
+    """A real redis-server on a free loopback port, in its own temp dir."""
+
+    def __init__(self, port: int | None = None) -> None:
+        super().__init__("redis-server", port=port)
 
 
 @pytest.fixture(scope="session")

@@ -6,16 +6,14 @@ Every server runs on free loopback ports in its own temp dir and is stopped by P
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from tests.conftest import reserve_port, wait_for
+from tests.conftest import Node, reserve_port, wait_for
 
 
 def valkey_server() -> str | None:
@@ -29,51 +27,6 @@ def valkey_server() -> str | None:
     except ImportError:
         pass
     return shutil.which("valkey-server")
-
-
-class Node:
-    """One server process; ``args`` are extra command-line config directives."""
-
-    def __init__(self, exe: str = "redis-server", args: list[str] | None = None,
-                 port: int | None = None, workdir: str | None = None,
-                 ping: dict[str, Any] | None = None) -> None:
-        self.exe = shutil.which(exe) or exe
-        self.port = port or reserve_port()
-        self.dir = workdir or tempfile.mkdtemp(prefix="ci-node-")
-        self.args = args or []
-        self.ping_options = ping or {}  # how to reach it for the readiness check
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> Node:
-        if not os.path.exists(self.exe):
-            raise RuntimeError(f"{self.exe} is not installed")
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no", *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        options = {"port": self.port, "socket_timeout": 1, **self.ping_options}
-        client = redis.Redis(**options)
-        wait_for(client.ping, timeout=15, what=f"{self.exe} on {self.port} to answer PING")
-        client.close()
-        return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Cluster:

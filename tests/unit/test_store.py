@@ -393,8 +393,7 @@ def test_writes_use_exactly_the_documented_keys(store: Store) -> None:
     store.claim_instance(IP, "ing", 10_000)
     expected = {keys.INSTANCES, keys.instance_meta(IP), keys.instance_gen(IP), keys.l1_state(IP),
                 keys.l1_owner(IP), keys.l3_set(IP), keys.l3_state(IP)}
-    for tier in ("l1", "l2"):
-        expected |= {keys.tier_set(IP, tier), keys.tier_counts(IP, tier),
-                     keys.tier_rank_counts(IP, 0, tier), keys.tier_rank_counts(IP, 1, tier)}
+    for tier in ("l1", "l2"):  # rank 1's copies: the sparse copies hash, no per-rank keys
+        expected |= {keys.tier_set(IP, tier), keys.tier_copies(IP, tier)}
     assert {k.decode() for k in store.r.keys("*")} == expected
-    assert store.r.hgetall(keys.tier_rank_counts(IP, 1, "l2")) == {b"4": b"1"}
+    assert store.r.hgetall(keys.tier_copies(IP, "l2")) == {b"4": b"0,1"}
