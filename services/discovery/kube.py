@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import urllib3
 import yaml
@@ -98,7 +98,11 @@ class _RawWatch(watch.Watch):
         return ""
 
 
-def error_kind(exc: BaseException) -> str:
+WatchError = Literal["gone", "forbidden", "unreachable", "api_error", "decode", "internal"]
+"""What a failed list or watch call was (the errors counter's ``kind`` label)."""
+
+
+def error_kind(exc: BaseException) -> WatchError:
     """A short label for logs and the errors counter."""
     if isinstance(exc, ApiException):
         status = int(exc.status or 0)
