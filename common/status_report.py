@@ -58,6 +58,14 @@ class ConnState(StrEnum):
     """No socket: the ingester waits to resubscribe (see ``conn_detail``)."""
 
 
+class HashCheck(StrEnum):
+    """An ingester's block-hash self-check verdict for an instance (``hash_check``)."""
+
+    OK = "ok"
+    MISMATCH = "mismatch"
+    UNCHECKED = "unchecked"
+
+
 STATES = tuple(InstanceState)
 """Every ``l1.state`` (the order of the per-instance state gauge)."""
 _PER_IP = ("meta", "l1", "owner", "blocks", "l3")
@@ -160,7 +168,7 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
             "state": state,
             "state_detail": why,
             "blocks": int(parts["blocks"] or 0),
-            "hash_check": l1.get("hash_check", "unchecked"),
+            "hash_check": l1.get("hash_check", HashCheck.UNCHECKED),
             "hash_check_detail": l1.get("hash_check_detail", ""),
             "hash_check_ok": _int(l1.get("hash_check_ok")),
             "hash_check_mismatch": _int(l1.get("hash_check_mismatch")),

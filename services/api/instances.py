@@ -16,7 +16,7 @@ import falcon
 import orjson
 import redis
 
-from common.status_report import STATES, Limits, StatusReader, build_report
+from common.status_report import STATES, HashCheck, Limits, StatusReader, build_report
 from services.api.api_metrics import ApiMetrics
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PATH = "/kv-cache/instances"
-_HASH_CHECKS = ("ok", "mismatch", "unchecked")
+_HASH_CHECKS = tuple(HashCheck)
 
 
 class InstancesResource:
@@ -77,8 +77,8 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
         ip, l1 = inst["server_ip"], inst["l1"]
         for st in STATES:
             state.add_metric((ip, st.value), 1 if l1["state"] == st else 0)
-        for name in _HASH_CHECKS:
-            check.add_metric((ip, name), 1 if l1["hash_check"] == name else 0)
+        for verdict in _HASH_CHECKS:
+            check.add_metric((ip, verdict.value), 1 if l1["hash_check"] == verdict else 0)
         blocks.add_metric((ip, "l1"), l1["blocks"])
         if inst["l3"]["blocks"] is not None:
             blocks.add_metric((ip, "l3"), inst["l3"]["blocks"])

@@ -49,12 +49,13 @@ from common.blockhash import (
 from common.errors import ConfigError
 from common.events import BlockStored, Event, hash_to_int
 from common.lifecycle import StateLog
+from common.status_report import HashCheck
 from services.l1_ingest.apply import in_prefix_group, tier_for_medium
 from services.l1_ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
 
-OK, MISMATCH, UNCHECKED = "ok", "mismatch", "unchecked"
+OK, MISMATCH, UNCHECKED = HashCheck.OK, HashCheck.MISMATCH, HashCheck.UNCHECKED
 UNTAGGED, TAGGED = "untagged", "tagged"
 _TAGGED_SINCE = (0, 31, 0)
 VERIFIED_MAX = 4096
@@ -162,7 +163,8 @@ class HashChecker:
         self._tokens, self._last = self._capacity, clock()
         self.verified: OrderedDict[int, bytes] = OrderedDict()
         self.ok = self.mismatch = 0
-        self.verdict, self.detail = UNCHECKED, "no checkable BlockStored event seen yet"
+        self.verdict: HashCheck = UNCHECKED
+        self.detail = "no checkable BlockStored event seen yet"
         self.hint: Candidate | None = None
         self.unchecked: Counter[str] = Counter()
         self._searched_at = -SEARCH_INTERVAL
@@ -311,7 +313,7 @@ class HashChecker:
             return False
         return to_event_int(digest) == hash_to_int(event.block_hashes[index])
 
-    def _set(self, verdict: str, detail: str) -> None:
+    def _set(self, verdict: HashCheck, detail: str) -> None:
         """Record the verdict; log once per change of verdict or of the named alternative."""
         self.verdict, self.detail = verdict, detail
         if verdict == MISMATCH:

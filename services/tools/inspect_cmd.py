@@ -22,7 +22,7 @@ from common.config import config_path_from, load_config
 from common.errors import ConfigError
 from common.redis_client import Client, connect, describe
 from common.settings import instance_limits
-from common.status_report import InstanceState, StatusReader, build_report
+from common.status_report import HashCheck, InstanceState, StatusReader, build_report
 
 _RED, _YELLOW, _RESET = "\033[31m", "\033[33m", "\033[0m"
 _BAD_STATES = {InstanceState.UNASSIGNED, InstanceState.UNREACHABLE, InstanceState.NO_EVENTS,
@@ -89,7 +89,7 @@ def _instance_row(inst: dict[str, Any]) -> list[str]:
 
 def _instance_problem(inst: dict[str, Any]) -> str:
     l1 = inst["l1"]
-    if l1["hash_check"] == "mismatch" or l1["state"] in _BAD_STATES or inst["l3"]["stale"]:
+    if l1["hash_check"] == HashCheck.MISMATCH or l1["state"] in _BAD_STATES or inst["l3"]["stale"]:
         return _RED
     return _YELLOW if l1["state"] == "replaying" else ""
 
