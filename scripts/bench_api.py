@@ -296,17 +296,21 @@ def _throughput(http: dict[str, tuple[str, int]], body: bytes, tmp: Path,
 
 
 def _vllm_ms(python: str | None, prompt: list[int]) -> tuple[float | None, str]:
-    """vLLM's own best time to hash ``prompt`` (ms), or None and why it was not measured."""
+    """vLLM's own best time to hash ``prompt`` (ms, thread CPU time in a child process that
+    scripts/bench_hash.py drives), or None and why it was not measured."""
     if not python:
         return None, "not measured (no --vllm-python)"
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_hash import run_vllm
+    from bench_hash import VLLM_CHILD, ChildHasher
     try:
-        result = run_vllm(python, {"p": prompt}, [["p", BLOCK, 20]])
+        child = ChildHasher(python, VLLM_CHILD, {"p": prompt})
     except RuntimeError as exc:
         return None, f"not measured ({exc})"
-    ms = result["results"][0][0] / 1e6
-    return ms, f"{ms:.2f} ms (vLLM {result['version']}, best of 20)"
+    try:
+        ms = min(child.time_ns("cpu", "p", BLOCK) for _ in range(20)) / 1e6
+    finally:
+        child.close()
+    return ms, f"{ms:.2f} ms (vLLM {child.version}, best of 20, CPU time)"
 
 
 class Servers:
