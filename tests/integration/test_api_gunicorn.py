@@ -71,13 +71,6 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def redis_srv() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
 def api(redis_srv: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     server = Api(tmp_path_factory.mktemp("api"), redis_srv.url)
     yield server

@@ -29,13 +29,6 @@ FAST = "  readHeaderTimeout: 1s\n  readTimeout: 2s\n  writeTimeout: 2s\n  idleTi
 
 
 @pytest.fixture(scope="module")
-def redis_srv() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
 def fast_api(redis_srv: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     """Short deadlines; debug logs so a test can see the write deadline fire."""
     server = Api(tmp_path_factory.mktemp("fast"), redis_srv.url, FAST, log_level="debug")

@@ -4,38 +4,17 @@ forms, scopes, layer-wise keys, key-format narrowing, and the per-master status 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import redis
 
 from common import keys
 from common.config import Duration
 from tests.conftest import wait_for
 from tests.fake_master import FakeMaster
-from tests.services.test_l3_poller import DIGESTS, INTS, POD_A, POD_B, POD_C, Harness, l3cfg
+from tests.services.test_l3_poller import DIGESTS, INTS, POD_A, POD_B, POD_C, Harness
 
 MODEL = "Qwen2.5-7B-Instruct"
-
-
-@pytest.fixture()
-def harness_factory(redis_client: redis.Redis) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def make(**kw: object) -> Harness:
-        made.append(Harness(redis_client, l3cfg(**kw)))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.close()
-
-
-@pytest.fixture()
-def master() -> Iterator[FakeMaster]:
-    m = FakeMaster("0.3.13").start()
-    yield m
-    m.stop()
 
 
 def akey(block: int, head: int, pp: int = 0, model: str = MODEL) -> str:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -68,26 +68,6 @@ class Harness:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
-
-
-@pytest.fixture()
-def harness_factory(redis_client: redis.Redis) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def make(**kw: object) -> Harness:
-        made.append(Harness(redis_client, l3cfg(**kw)))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.close()
-
-
-@pytest.fixture()
-def master() -> Iterator[FakeMaster]:
-    m = FakeMaster("0.3.13").start()
-    yield m
-    m.stop()
 
 
 def populate(m: FakeMaster) -> tuple[str, str]:
