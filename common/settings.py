@@ -111,7 +111,7 @@ class L1IngestSettings:
     backoff_initial: float = 1.0
     backoff_max: float = 30.0
     hash_check_rate: int = 100
-    """Self-checked batches per second and instance (0 = off)."""
+    """Blocks per second and instance the hash self-check may recompute (0 = off)."""
     no_events_after: float = 30.0
     hash: HashSettings = HashSettings()
     """How the vLLM instances hash blocks (``blockKey``), for the hash self-check."""

@@ -49,19 +49,6 @@ def make_sim() -> Iterator[Callable[..., SimulatedVLLM]]:
         sim.close()
 
 
-@pytest.fixture()
-def ingester(redis_client: redis.Redis) -> Iterator[Callable[..., InProcessIngester]]:
-    made: list[InProcessIngester] = []
-
-    def make(settings: HashSettings | None = None, **overrides: str) -> InProcessIngester:
-        made.append(InProcessIngester(redis_client, settings, **overrides))
-        return made[-1]
-
-    yield make
-    for ing in made:
-        ing.close()
-
-
 def report_of(client: redis.Redis, ip: str) -> dict[str, Any]:
     doc = build_report(StatusReader(client).read(), LIMITS)
     return next(i for i in doc["instances"] if i["server_ip"] == ip)

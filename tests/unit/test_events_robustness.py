@@ -241,14 +241,19 @@ def test_fuzz_only_decode_errors_escape() -> None:
             for _ in range(rng.randint(1, 3)):
                 _mutate_structure(rng, raw)
             payload = msgpack.packb(raw)
-        try:
-            batch = decode_batch(payload)
-        except DecodeError:
-            outcomes["not_a_batch"] += 1
-            continue
-        _assert_trustworthy(batch, payload)
-        outcomes["skips" if batch.skipped else "ok"] += 1
+        _count_decoded(payload, outcomes)
     assert min(outcomes.values()) > 1000, outcomes  # every path was exercised
+
+
+def _count_decoded(payload: bytes, outcomes: dict[str, int]) -> None:
+    """Decode ``payload``; check a decoded batch is trustworthy; count the outcome."""
+    try:
+        batch = decode_batch(payload)
+    except DecodeError:
+        outcomes["not_a_batch"] += 1
+        return
+    _assert_trustworthy(batch, payload)
+    outcomes["skips" if batch.skipped else "ok"] += 1
 
 
 def test_random_bytes_never_raise_anything_but_decode_error() -> None:
@@ -289,13 +294,7 @@ def test_random_batches_that_decode_are_trustworthy() -> None:
         if rng.random() < 0.8:
             batch_raw.append(rng.choice([0, 1, 7, None]))
         payload = bytes(msgpack.packb(batch_raw))
-        try:
-            batch = decode_batch(payload)
-        except DecodeError:
-            outcomes["not_a_batch"] += 1
-            continue
-        _assert_trustworthy(batch, payload)
-        outcomes["skips" if batch.skipped else "ok"] += 1
+        _count_decoded(payload, outcomes)
     assert outcomes["ok"] > 500 and outcomes["skips"] > 500, outcomes
 
 
