@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import blockhash_cbor as cbor
+from common import blockhash_native as native
 from common.errors import ConfigError
 
 ALGOS = ("sha256_cbor", "sha256")
@@ -283,6 +284,13 @@ class BlockHasher:
         keep: bool,
     ) -> tuple[list[bytes], list[bytes]]:
         """The hot loop: per block, one slice, one join and one sha256."""
+        encoder = native.ENCODER
+        if encoder is not None and encoder.sha is not None and not keep:
+            blob = b"".join(self._c_chain(encoder, token_ids, full, block_size, first_tail, tail))
+            return [blob[i : i + 32] for i in range(0, len(blob), 32)], []
+        if encoder is not None:
+            return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail,
+                                      keep)
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
         array_head = _array_head(block_size)
         parent, block_tail = self._none_hash, first_tail
@@ -300,6 +308,46 @@ class BlockHasher:
                 append(parent)
                 if keep:
                     preimages.append(preimage)
+        return digests, preimages
+
+    def _c_chain(self, encoder: native.Encoder, token_ids: Sequence[int], full: int,
+                 block_size: int, first_tail: bytes, tail: bytes) -> Iterator[bytes]:
+        """The digests of every full block, back to back, a chunk at a time, all in C."""
+        parent, block_tail = self._none_hash, first_tail
+        for ids, _ in _id_chunks(token_ids, full, block_size, self._token_limit):
+            blob = encoder.chain(ids, block_size, block_tail, tail, parent)
+            if blob:
+                parent, block_tail = blob[-32:], tail
+                yield blob
+
+    def _native_chain(
+        self,
+        encoder: native.Encoder,
+        token_ids: Sequence[int],
+        full: int,
+        block_size: int,
+        first_tail: bytes,
+        tail: bytes,
+        keep: bool,
+    ) -> tuple[list[bytes], list[bytes]]:
+        """:meth:`_cbor_chain` with the C encoder: it lays out every block's whole preimage,
+        so per block Python only copies the parent digest in and hashes a memoryview."""
+        sha256, at = hashlib.sha256, native.PARENT_AT
+        parent, block_tail = self._none_hash, first_tail
+        digests: list[bytes] = []
+        preimages: list[bytes] = []
+        append = digests.append
+        for ids, _ in _id_chunks(token_ids, full, block_size, self._token_limit):
+            buffer, ends = encoder.preimages(ids, block_size, block_tail, tail)
+            block_tail = tail
+            view, start = memoryview(buffer), 0
+            for end in ends:
+                view[start + at : start + at + 32] = parent
+                parent = sha256(view[start:end]).digest()
+                append(parent)
+                if keep:
+                    preimages.append(bytes(view[start:end]))
+                start = end
         return digests, preimages
 
     def _pickle_chain(

@@ -102,7 +102,12 @@ def plain_ids(tokens: Sequence[int], limit: int) -> list[int]:
 def id_array(tokens: Sequence[int], limit: int) -> tuple[U64, int]:
     """The ids as a uint64 array and the largest id (0 if none); ValueError (naming the first
     bad id) if one is not a token id below ``limit``."""
-    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
+    if isinstance(tokens, array) and tokens.typecode == "Q":  # converted by the API already
+        ids = np.frombuffer(tokens, np.uint64) if len(tokens) else np.zeros(0, np.uint64)
+        largest = int(ids.max()) if len(ids) else 0
+        if largest < limit:
+            return ids, largest
+    elif isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
         if len(tokens) == 0:
             return np.zeros(0, np.uint64), 0
         if int(tokens.min()) >= 0 and (largest := int(tokens.max())) < limit:

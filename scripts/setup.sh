@@ -28,6 +28,23 @@ if ! $PY -c 'import common.blockhash, numpy, zmq, msgpack, cbor2, redis, httpx, 
   $PY -m pip install -q --disable-pip-version-check -e ".[test,l3]"
 fi
 
+# The C block encoder (common/_cbor_blocks.c) is built by the editable install; a checkout
+# installed before it existed, or without a compiler, lacks it: build it (again).
+if ! $PY -c 'from common import blockhash_native as n; assert n.ENCODER and n.ENCODER.sha' 2>/dev/null; then
+  if ! command -v cc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    echo "setup: installing a C compiler for the block encoder"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+  fi
+  echo "setup: building the C block encoder"
+  $PY -m pip install -q --disable-pip-version-check -e ".[test,l3]"
+  if ! $PY -c 'from common import blockhash_native as n; assert n.ENCODER and n.ENCODER.sha'; then
+    echo "setup: ERROR: the C block encoder is not usable: $($PY -c 'from common import blockhash_native as n; print(n.status())')" >&2
+    exit 1
+  fi
+fi
+
 # Helm's own template engine for the chart tests (tests/unit/test_chart.py).
 if ! $PY -c 'import helm_python' 2>/dev/null; then
   if ! $PY -m pip install -q --disable-pip-version-check -e ".[chart]" \

@@ -44,6 +44,43 @@ def require(condition: object, why: str) -> None:
     pytest.skip(why)
 
 
+# -- hashing paths ------------------------------------------------------------------------
+
+HASH_PATHS = ("c-chain", "c-encoder", "numpy")
+"""How :class:`~common.blockhash.BlockHasher` builds sha256_cbor preimages and hashes them:
+all in C (C encoder + libcrypto's SHA-256), C encoder with hashlib per block, or numpy with
+hashlib per block (the fallback where the C library is not built)."""
+
+
+@pytest.fixture(scope="module", params=HASH_PATHS)
+def hash_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a module's tests once per hashing path (``pytestmark = pytest.mark.usefixtures(
+    "hash_path")``). The C paths need ``common/_cbor_blocks`` built (``pip install -e .``):
+    skipped locally without it, failed under ``CI=true``."""
+    import copy
+
+    from common import blockhash_native as native
+
+    saved = native.ENCODER
+    if request.param != "numpy":
+        require(saved is not None,
+                f"the C block encoder is not built ({native.status()}); run scripts/setup.sh")
+    if request.param == "c-chain":
+        require(saved is not None and saved.sha is not None,
+                f"the C chain has no SHA-256 from libcrypto ({native.status()})")
+    if request.param == "c-encoder":
+        assert saved is not None
+        encoder = copy.copy(saved)
+        encoder.sha = None
+        native.ENCODER = encoder
+    elif request.param == "numpy":
+        native.ENCODER = None
+    try:
+        yield request.param
+    finally:
+        native.ENCODER = saved
+
+
 # -- ports --------------------------------------------------------------------------------
 
 PORT_RANGE = (10_000, 20_000)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from array import array
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import falcon
@@ -50,14 +51,14 @@ UNREACHABLE = "the hit rate could not be computed: the state store is unreachabl
 class Hasher(Protocol):
     """What the API needs of :class:`common.blockhash.BlockHasher`."""
 
-    def member_keys(self, token_ids: list[int], block_size: int,
+    def member_keys(self, token_ids: Sequence[int], block_size: int,
                     cache_salt: str | None = None) -> list[bytes]: ...
 
 
 @dataclass(frozen=True)
 class HitRateRequest:
     server_ips: list[str]
-    token_ids: list[int]
+    token_ids: Sequence[int]  # usually an array("Q") (:func:`_token_ids`)
     block_size: int
     cache_salt: str | None  # "" in the request means no salt: stored as None
 
@@ -145,12 +146,18 @@ def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
     return doc
 
 
-def _token_ids(ids: Any, raw: bytes) -> list[int]:
-    """JSON integers only (no ``true``, no ``1.0``); the range is the hasher's to check."""
+def _token_ids(ids: Any, raw: bytes) -> Sequence[int]:
+    """JSON integers only (no ``true``, no ``1.0``); the range is the hasher's to check.
+
+    Usually returns the ids as an ``array("Q")``: the conversion that validates them is the
+    one the hasher needs, so it is done once per request.
+    """
     if not isinstance(ids, list):
         raise _bad(f"body.token_ids must be a list of integers, got {_kind(ids)}")
-    if not ids or _all_plain_ints(ids, raw):
+    if not ids:
         return ids
+    if (converted := _plain_ints(ids, raw)) is not None:
+        return converted
     # The loop below only names the culprit (or finds none: ints the hasher range-checks).
     for i, t in enumerate(ids):
         if type(t) is not int:
@@ -158,20 +165,21 @@ def _token_ids(ids: Any, raw: bytes) -> list[int]:
     return ids
 
 
-def _all_plain_ints(ids: list[Any], raw: bytes) -> bool:
-    """True if every id is an int (not a bool), in C passes over the list and the body.
+def _plain_ints(ids: list[Any], raw: bytes) -> array[int] | None:
+    """The ids as ``array("Q")`` if every one is an int (not a bool) in ``[0, 2**64)``, in C
+    passes over the list and the body; else None.
 
     ``array("Q", …)`` takes exactly the ints and bools in ``[0, 2**64)``; a body without
     ``true``/``false`` anywhere holds no bool. Otherwise (negative ids, a ``"true"`` in a
     string) the exact type check decides.
     """
     try:
-        array("Q", ids)
+        converted = array("Q", ids)
     except (TypeError, OverflowError):
-        return False
+        return None
     if b"true" not in raw and b"false" not in raw:
-        return True
-    return set(map(type, ids)) == {int}
+        return converted
+    return converted if set(map(type, ids)) == {int} else None
 
 
 def _kind(value: Any) -> str:

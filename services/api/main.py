@@ -11,12 +11,13 @@ gracefully within ``http.shutdownTimeout``.
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from common import shell
+from common import blockhash_native, shell
 from common.blockhash import BlockHasher
 from common.config import Config, Redis
 from common.errors import ConfigError
@@ -25,6 +26,7 @@ from services.api.app import App, build_app
 from services.api.gunicorn_conf import gunicorn_settings
 
 _PROG = "cache-indexer api"
+logger = logging.getLogger(__name__)
 
 
 class _Server(BaseApplication):  # type: ignore[misc]
@@ -74,6 +76,9 @@ def main(argv: list[str]) -> int:
         return exc.code
     except ConfigError as exc:
         return shell.config_failure(_PROG, exc).code
+    # the numpy fallback hashes at about half the speed: say which one this image has
+    log = logger.info if blockhash_native.ENCODER is not None else logger.warning
+    log("%s", blockhash_native.status())
     try:
         server.run()
     except SystemExit as exc:  # the arbiter exits through sys.exit

@@ -28,6 +28,8 @@ from common.blockhash import (
 )
 from common.errors import ConfigError
 
+pytestmark = pytest.mark.usefixtures("hash_path")  # every test on every hashing path
+
 DATA = Path(__file__).resolve().parents[1] / "data"
 GOLDEN = json.loads((DATA / "vllm_golden.json").read_text())["versions"]
 VECTORS = json.loads((DATA / "vllm_hash_vectors.json").read_text(encoding="utf-8"))["versions"]

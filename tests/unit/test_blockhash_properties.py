@@ -16,11 +16,14 @@ import pickle
 
 import cbor2
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from common import blockhash_cbor
 from common.blockhash import BlockHasher, HashSettings
+
+pytestmark = pytest.mark.usefixtures("hash_path")  # every test on every hashing path
 
 BOUNDARIES = [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**32 - 1, 2**32, 2**64 - 1]
 VERSIONS = [(0, 12, 0), (0, 28, 0), (0, 30, 9), (0, 31, 0), (0, 34, 0)]

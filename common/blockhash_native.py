@@ -1,0 +1,173 @@
+"""The C encoder of vLLM block preimages (``common/_cbor_blocks.c``), loaded with ctypes.
+
+The library is plain C (no Python API), built by ``pip install`` as an optional extension:
+it needs a C compiler, not Python's headers. :data:`ENCODER` is None when it was not built
+(no compiler at install time, or a checkout used without installing); :mod:`common.blockhash`
+then encodes with numpy (:mod:`common.blockhash_cbor`), bit for bit the same and about half
+as fast. :func:`status` says which one a process uses; the API logs it at start-up.
+
+For ``n`` blocks of ``block_size`` ids the C function writes, back to back, each block's
+whole preimage ``0x83 0x58 0x20 | 32 bytes for the parent | array head | ids | tail`` with
+the parent left zero, and each block's end offset; the caller fills in each parent digest
+just before hashing that block (:meth:`BlockHasher._cbor_chain`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+from array import array
+
+import numpy as np
+import numpy.typing as npt
+
+LIBRARY = "common._cbor_blocks"
+DISABLE_ENV = "CACHE_INDEXER_NO_NATIVE_HASH"
+"""Set (to anything but "" or "0") to use the numpy encoder even where the library is built."""
+PARENT_AT = 3  # the parent digest's offset in a preimage: after 0x83 0x58 0x20
+_HEAD_MAX = 3 + 32 + 9 + 8  # prefix, parent, the longest array head; 8: C's slack
+
+
+_SHA_CTX_BYTES = 256  # >= sizeof(SHA256_CTX), 112 bytes in OpenSSL 1.1 and 3.x
+
+
+class Encoder:
+    """``ci_block_preimages`` and, when hashlib's libcrypto exports SHA256_Init/Update/Final,
+    ``ci_block_chain`` of one loaded library."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)
+        size, ptr, text = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+        func = lib.ci_block_preimages
+        func.argtypes = [ptr, size, size, text, size, text, size, ptr, size, ptr]
+        func.restype = size
+        self._func = func
+        self._chain = lib.ci_block_chain
+        self._chain.argtypes = [ptr, size, size, text, size, text, size, text, ptr, ptr, size,
+                                ptr, ptr, ptr, ptr]
+        self._chain.restype = ctypes.c_int
+        self.sha: tuple[int, int, int] | None = None
+        self.sha_source = ""
+        found = _openssl_sha256()
+        if found is not None:
+            self.sha, self.sha_source = found
+            if not self._chain_agrees():
+                self.sha, self.sha_source = None, f"{self.sha_source} disagreed with hashlib"
+
+    def chain(self, ids: npt.NDArray[np.uint64], block_size: int, first_tail: bytes,
+              tail: bytes, parent: bytes) -> bytes:
+        """The 32-byte digests of every block of ``ids``, back to back, chained from
+        ``parent``, hashed in C (only when :attr:`sha` is set)."""
+        if self.sha is None:
+            raise RuntimeError("no SHA-256 functions for the C chain")
+        blocks = len(ids) // block_size
+        if not blocks:
+            return b""
+        ids = np.ascontiguousarray(ids, np.uint64)
+        digests = bytearray(32 * blocks)
+        cap = _HEAD_MAX + max(len(first_tail), len(tail)) + 9 * block_size
+        scratch = ctypes.create_string_buffer(cap)
+        context = ctypes.create_string_buffer(_SHA_CTX_BYTES)
+        out = (ctypes.c_char * len(digests)).from_buffer(digests)
+        status = self._chain(ids.ctypes.data, blocks, block_size, first_tail,
+                             len(first_tail), tail, len(tail), parent, ctypes.addressof(out),
+                             scratch, cap, context, *self.sha)
+        del out
+        if status != 0:
+            raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
+        return bytes(digests)
+
+    def _chain_agrees(self) -> bool:
+        """The C chain against preimages hashed by hashlib, on ids of every CBOR width."""
+        ids = np.array([0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1] * 3
+                       + [151_935] * 2, np.uint64)
+        parent = hashlib.sha256(b"self-test").digest()
+        for block_size, first, rest in ((4, b"\xf6", b"\xf6"), (1, b"\x81\x61a", b"\xf6")):
+            try:
+                got = self.chain(ids, block_size, first, rest, parent)
+            except RuntimeError:
+                return False
+            buffer, ends = self.preimages(ids, block_size, first, rest)
+            want, start, link = b"", 0, parent
+            for end in ends:
+                buffer[start + PARENT_AT : start + PARENT_AT + 32] = link
+                link = hashlib.sha256(buffer[start:end]).digest()
+                want, start = want + link, end
+            if got != want:
+                return False
+        return True
+
+    def preimages(self, ids: npt.NDArray[np.uint64], block_size: int, first_tail: bytes,
+                  tail: bytes) -> tuple[bytearray, list[int]]:
+        """Every block's preimage, parents zeroed, in one buffer, and each block's end offset.
+        ``ids`` is a C-contiguous native uint64 array of a whole number of blocks (any value:
+        the C code writes 9-byte ints too); ``first_tail`` ends block 0, ``tail`` the rest."""
+        blocks = len(ids) // block_size
+        if not blocks:
+            return bytearray(), []
+        ids = np.ascontiguousarray(ids, np.uint64)
+        cap = blocks * (_HEAD_MAX + max(len(first_tail), len(tail))) + 9 * blocks * block_size
+        out = bytearray(cap)
+        ends = array("Q", bytes(8 * blocks))
+        buffer = (ctypes.c_char * cap).from_buffer(out)
+        written = self._func(ids.ctypes.data, blocks, block_size, first_tail, len(first_tail),
+                             tail, len(tail), ctypes.addressof(buffer), cap,
+                             ends.buffer_info()[0])
+        del buffer  # releases the export, so ``out`` may be resized
+        if written == 0:  # cannot happen: cap is the worst case
+            raise RuntimeError("the C block encoder ran out of room")
+        return out, ends.tolist()
+
+
+def _openssl_sha256() -> tuple[tuple[int, int, int], str] | None:
+    """Addresses of SHA256_Init/Update/Final in the libcrypto hashlib is linked against (the
+    same build: same code, same CPU dispatch), and its path; None if not found."""
+    try:
+        import _hashlib  # noqa: F401  (maps libcrypto into the process)
+
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcrypto" in line}
+    except (ImportError, OSError):
+        return None
+    for path in sorted(p for p in paths if p.startswith("/")):
+        try:
+            lib = ctypes.CDLL(path)
+            funcs = (lib.SHA256_Init, lib.SHA256_Update, lib.SHA256_Final)
+        except (OSError, AttributeError):
+            continue
+        addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in funcs)
+        if all(addresses):
+            return (addresses[0], addresses[1], addresses[2]), path
+    return None
+
+
+def _load() -> Encoder | None:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    spec = importlib.util.find_spec(LIBRARY)
+    if spec is None or not spec.origin:
+        return None
+    try:
+        return Encoder(spec.origin)
+    except (OSError, AttributeError):  # unloadable, or not our library
+        return None
+
+
+ENCODER: Encoder | None = _load()
+
+
+def status() -> str:
+    """One line for logs: which CBOR encoder this process hashes with."""
+    if ENCODER is not None and ENCODER.sha is not None:
+        return (f"block hashing: C encoder and chain ({ENCODER.path}, SHA-256 of "
+                f"{ENCODER.sha_source})")
+    if ENCODER is not None:
+        why = ENCODER.sha_source or "no libcrypto with SHA256_Init found"
+        return f"block hashing: C encoder, SHA-256 by hashlib per block ({ENCODER.path}; {why})"
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"block hashing: numpy encoder ({DISABLE_ENV} is set)"
+    return ("block hashing: numpy encoder (the C encoder common/_cbor_blocks was not built: "
+            "install with a C compiler present, e.g. `pip install -e .`)")

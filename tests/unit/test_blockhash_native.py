@@ -1,0 +1,85 @@
+"""The C block encoder and chain (common/_cbor_blocks.c through common/blockhash_native.py).
+
+Its output is checked bit for bit by every test of test_blockhash.py and
+test_blockhash_properties.py, which run on each hashing path (the ``hash_path`` fixture).
+Here: the guards around it — the start-up self-test that refuses SHA-256 functions that do
+not agree with hashlib, the switch that turns it off, and what a process says it uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from common import blockhash_native as native
+from common.blockhash import BlockHasher, HashSettings
+from tests.conftest import ROOT, require
+
+
+def _encoder() -> native.Encoder:
+    require(native.ENCODER is not None,
+            f"the C block encoder is not built ({native.status()}); run scripts/setup.sh")
+    assert native.ENCODER is not None
+    return native.ENCODER
+
+
+def test_the_built_library_hashes_in_c_and_says_so() -> None:
+    encoder = _encoder()
+    require(encoder.sha is not None, f"no SHA-256 from libcrypto: {native.status()}")
+    assert "C encoder and chain" in native.status()
+    assert "libcrypto" in encoder.sha_source
+
+
+def test_self_test_refuses_sha_functions_that_disagree_with_hashlib(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHA-224's functions have SHA-256's signatures but other digests: the chain must not
+    be used with them (the process falls back to hashlib per block)."""
+    encoder = _encoder()
+    require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
+    lib = ctypes.CDLL(encoder.sha_source)
+    wrong = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0
+                  for f in (lib.SHA224_Init, lib.SHA224_Update, lib.SHA224_Final))
+    monkeypatch.setattr(native, "_openssl_sha256", lambda: (wrong, encoder.sha_source))
+    refused = native.Encoder(encoder.path)
+    assert refused.sha is None
+    assert "disagreed with hashlib" in refused.sha_source
+    with pytest.raises(RuntimeError, match="no SHA-256"):
+        refused.chain(np.zeros(16, np.uint64), 16, b"\xf6", b"\xf6", bytes(32))
+    monkeypatch.setattr(native, "ENCODER", refused)
+    assert "SHA-256 by hashlib per block" in native.status()
+    assert "disagreed" in native.status()
+
+
+def test_chain_and_per_block_hashing_agree_across_chunks() -> None:
+    """A prompt of several 8,192-id chunks with ids of every CBOR width, 2**64 - 1 included:
+    the C chain (chunk by chunk, each chained from the last) against the preimages hashed
+    one by one in Python."""
+    encoder = _encoder()
+    require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
+    rng = random.Random(12)
+    widths = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
+    tokens = [rng.choice(widths) if rng.random() < 0.3 else rng.randrange(151_936)
+              for _ in range(3 * 8192 + 77)]
+    hasher = BlockHasher(HashSettings(vllm_version=(0, 31, 0)))
+    digests = hasher.digests(tokens, 48, cache_salt="salt", lora_name="a", lora_path="/p")
+    preimages = hasher.preimages(tokens, 48, cache_salt="salt", lora_name="a", lora_path="/p")
+    assert digests == [hashlib.sha256(p).digest() for p in preimages]
+    assert len(digests) == len(tokens) // 48
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_the_switch_turns_it_off(value: str) -> None:
+    env = {**os.environ, native.DISABLE_ENV: value, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", "from common import blockhash_native as n; "
+         "print(n.ENCODER is None); print(n.status())"],
+        env=env, capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+    assert out[0] == "True"
+    assert native.DISABLE_ENV in out[1]
