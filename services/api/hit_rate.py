@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import falcon
+import numpy as np
 import orjson
 import redis
 
@@ -167,19 +168,21 @@ def _token_ids(ids: Any, raw: bytes) -> Sequence[int]:
 
 def _plain_ints(ids: list[Any], raw: bytes) -> array[int] | None:
     """The ids as ``array("Q")`` if every one is an int (not a bool) in ``[0, 2**64)``, in C
-    passes over the list and the body; else None.
+    passes over the list; else None.
 
-    ``array("Q", …)`` takes exactly the ints and bools in ``[0, 2**64)``; a body without
-    ``true``/``false`` anywhere holds no bool. Otherwise (negative ids, a ``"true"`` in a
-    string) the exact type check decides.
+    ``array("Q", …)`` takes exactly the ints and bools in ``[0, 2**64)``, a bool as 0 or 1;
+    so only the ids that came out as 0 or 1 need their type checked (numpy finds them), and
+    none at all when the body has no ``true``/``false`` anywhere.
     """
     try:
         converted = array("Q", ids)
     except (TypeError, OverflowError):
         return None
-    if b"true" not in raw and b"false" not in raw:
-        return converted
-    return converted if set(map(type, ids)) == {int} else None
+    zeros_and_ones = np.flatnonzero(np.frombuffer(converted, np.uint64) <= 1).tolist()
+    if zeros_and_ones and (b"true" in raw or b"false" in raw):
+        if any(type(ids[i]) is not int for i in zeros_and_ones):
+            return None
+    return converted
 
 
 def _kind(value: Any) -> str:

@@ -113,6 +113,25 @@ def test_salt_changes_the_hashes_and_empty_salt_is_no_salt(
         assert _ratios(_ask(client, [A], PROMPT, **no_salt)) == [(A, 0.0, 0.5)]
 
 
+def test_a_bool_deep_in_a_long_prompt_is_named(store: Store, hasher: BlockHasher) -> None:
+    raw = (b'{"server_ip": ["a"], "body": {"token_ids": [' + b"7, 1, 0, " * 2000
+           + b'false, 9], "block_size": 16}}')
+    result = _client(store, hasher).simulate_post(PATH, body=raw)
+    assert result.status_code == 400
+    message = "body.token_ids[6000] must be a non-negative integer, got False"
+    assert result.json["message"] == message
+
+
+def test_ids_0_and_1_next_to_true_in_a_string_are_ids(
+        store: Store, hasher: BlockHasher) -> None:
+    """Only a JSON ``true``/``false`` in token_ids is refused: ids 0 and 1 in a body that says
+    "true" or "false" elsewhere (a salt here) are hashed as the ints they are."""
+    prompt = [0, 1] * (2 * BS)
+    salt = "true or false"
+    _populate(store, A, l1=_members(hasher, prompt, salt), l3=[])
+    assert _ratios(_ask(_client(store, hasher), [A], prompt, cache_salt=salt)) == [(A, 1.0, 0.0)]
+
+
 BAD_REQUESTS = [
     (b"", "the request body is empty"),
     (b"  \n", "the request body is empty"),
@@ -150,6 +169,10 @@ BAD_REQUESTS = [
      "body.token_ids[0] must be a non-negative integer, got 1.0"),
     (b'{"server_ip": ["a"], "body": {"token_ids": [1, true], "block_size": 1}}',
      "body.token_ids[1] must be a non-negative integer, got True"),
+    (b'{"server_ip": ["a"], "body": {"token_ids": [false], "block_size": 1}}',
+     "body.token_ids[0] must be a non-negative integer, got False"),
+    (b'{"server_ip": ["a"], "body": {"token_ids": [0, 1, 0, 5, 1, true, 0], "block_size": 1}}',
+     "body.token_ids[5] must be a non-negative integer, got True"),
     (b'{"server_ip": ["a"], "body": {"token_ids": ["7"], "block_size": 1}}',
      "body.token_ids[0] must be a non-negative integer, got '7'"),
     (b'{"server_ip": ["a"], "body": {"token_ids": [null], "block_size": 1}}',
