@@ -194,8 +194,8 @@ class BlockHasher:
         lora_path: str | None = None,
     ) -> list[int]:
         """The block hashes as KV events carry them (uint64 of each digest's last 8 bytes)."""
-        digests = self.digests(token_ids, block_size, cache_salt, lora_name, lora_path)
-        return _event_ints(digests)
+        return _event_ints(self._digest_blob(token_ids, block_size, cache_salt, lora_name,
+                                             lora_path))
 
     def member_keys(
         self,
@@ -206,8 +206,8 @@ class BlockHasher:
         lora_path: str | None = None,
     ) -> list[bytes]:
         """The event ints as ASCII decimal bytes, the form stored in Redis sets."""
-        digests = self.digests(token_ids, block_size, cache_salt, lora_name, lora_path)
-        ints = _event_ints(digests)
+        ints = _event_ints(self._digest_blob(token_ids, block_size, cache_salt, lora_name,
+                                             lora_path))
         # One formatting call and one split: ~30 % faster than b"%d" % value per value.
         return ((b"%d " * len(ints)) % tuple(ints)).split()
 
@@ -222,6 +222,20 @@ class BlockHasher:
         """The bytes that are hashed for every full block (the serialized parent, tokens and
         extra keys), built by the same loop as ``digests``; for tests and debugging."""
         return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, True)[1]
+
+    def _digest_blob(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+                     lora_name: str | None, lora_path: str | None) -> bytes:
+        """Every full block's digest, back to back: straight from the C chain when it is
+        there (no per-block objects at all), else joined from :meth:`_chain`."""
+        encoder = native.ENCODER
+        if encoder is None or encoder.sha is None or self.settings.algo != "sha256_cbor":
+            return b"".join(self._chain(token_ids, block_size, cache_salt, lora_name, lora_path,
+                                        False)[0])
+        _check_block_size(block_size)
+        first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
+        full = len(token_ids) - len(token_ids) % block_size
+        return b"".join(self._c_chain(encoder, token_ids, full, block_size, cbor.encode(first),
+                                      cbor.encode(rest)))
 
     def _chain(
         self,
@@ -395,11 +409,12 @@ def _id_chunks(
         yield cbor.id_array(token_ids[chunk : min(chunk + step, full)], limit)
 
 
-def _event_ints(digests: list[bytes]) -> list[int]:
-    """uint64 of the last 8 bytes of every digest, big-endian (the form KV events carry)."""
-    if not digests:
+def _event_ints(blob: bytes) -> list[int]:
+    """uint64 of the last 8 bytes of every 32-byte digest in ``blob``, big-endian (the form
+    KV events carry)."""
+    if not blob:
         return []
-    return np.frombuffer(b"".join(digests), _BIG_U64)[3::4].tolist()  # type: ignore[no-any-return]
+    return np.frombuffer(blob, _BIG_U64)[3::4].tolist()  # type: ignore[no-any-return]
 
 
 def _check_block_size(block_size: int) -> None:

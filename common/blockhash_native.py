@@ -67,18 +67,17 @@ class Encoder:
         if not blocks:
             return b""
         ids = np.ascontiguousarray(ids, np.uint64)
-        digests = bytearray(32 * blocks)
         cap = _HEAD_MAX + max(len(first_tail), len(tail)) + 9 * block_size
-        scratch = ctypes.create_string_buffer(cap)
-        context = ctypes.create_string_buffer(_SHA_CTX_BYTES)
-        out = (ctypes.c_char * len(digests)).from_buffer(digests)
+        # one buffer: the digests, then the SHA-256 context, then the block being hashed
+        work = ctypes.create_string_buffer(32 * blocks + _SHA_CTX_BYTES + cap)
+        base = ctypes.addressof(work)
         status = self._chain(ids.ctypes.data, blocks, block_size, first_tail,
-                             len(first_tail), tail, len(tail), parent, ctypes.addressof(out),
-                             scratch, cap, context, *self.sha)
-        del out
+                             len(first_tail), tail, len(tail), parent, base,
+                             base + 32 * blocks + _SHA_CTX_BYTES, cap,
+                             base + 32 * blocks, *self.sha)
         if status != 0:
             raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
-        return bytes(digests)
+        return ctypes.string_at(base, 32 * blocks)
 
     def _chain_agrees(self) -> bool:
         """The C chain against preimages hashed by hashlib, on ids of every CBOR width."""
