@@ -233,9 +233,8 @@ class BlockHasher:
                                         False)[0])
         _check_block_size(block_size)
         first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
-        full = len(token_ids) - len(token_ids) % block_size
-        return b"".join(self._c_chain(encoder, token_ids, full, block_size, cbor.encode(first),
-                                      cbor.encode(rest)))
+        return self._c_chain(encoder, token_ids, block_size, cbor.encode(first),
+                             cbor.encode(rest))
 
     def _chain(
         self,
@@ -300,7 +299,7 @@ class BlockHasher:
         """The hot loop: per block, one slice, one join and one sha256."""
         encoder = native.ENCODER
         if encoder is not None and encoder.sha is not None and not keep:
-            blob = b"".join(self._c_chain(encoder, token_ids, full, block_size, first_tail, tail))
+            blob = self._c_chain(encoder, token_ids, block_size, first_tail, tail)
             return [blob[i : i + 32] for i in range(0, len(blob), 32)], []
         if encoder is not None:
             return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail,
@@ -324,15 +323,12 @@ class BlockHasher:
                     preimages.append(preimage)
         return digests, preimages
 
-    def _c_chain(self, encoder: native.Encoder, token_ids: Sequence[int], full: int,
-                 block_size: int, first_tail: bytes, tail: bytes) -> Iterator[bytes]:
-        """The digests of every full block, back to back, a chunk at a time, all in C."""
-        parent, block_tail = self._none_hash, first_tail
-        for ids, _ in _id_chunks(token_ids, full, block_size, self._token_limit):
-            blob = encoder.chain(ids, block_size, block_tail, tail, parent)
-            if blob:
-                parent, block_tail = blob[-32:], tail
-                yield blob
+    def _c_chain(self, encoder: native.Encoder, token_ids: Sequence[int], block_size: int,
+                 first_tail: bytes, tail: bytes) -> bytes:
+        """The digests of every full block, back to back, all in one C call (every id is
+        validated first, those of the partial block too)."""
+        words = cbor.id_words(token_ids, self._token_limit)
+        return encoder.chain(words, block_size, first_tail, tail, self._none_hash)
 
     def _native_chain(
         self,

@@ -126,6 +126,24 @@ def id_array(tokens: Sequence[int], limit: int) -> tuple[U64, int]:
     return ids, int(ids.max()) if len(ids) else 0
 
 
+def id_words(tokens: Sequence[int], limit: int) -> array[int] | U64:
+    """All the ids as one machine array for the C chain (``array("Q")``; a uint64 numpy
+    array when given numpy ids); ValueError (naming the first bad id) if one is not a token
+    id below ``limit``. An ``array("Q")`` (the API's, already converted) is used as is."""
+    if isinstance(tokens, np.ndarray):
+        return id_array(tokens, limit)[0]
+    if isinstance(tokens, array) and tokens.typecode == "Q":
+        words = tokens
+    else:
+        try:
+            words = array("Q", tokens)  # C-speed: ints >= 0 only
+        except (TypeError, OverflowError):
+            words = array("Q", plain_ids(tokens, limit))  # raises, naming the bad id
+    if limit < 1 << 64 and words and int(np.frombuffer(words, np.uint64).max()) >= limit:
+        plain_ids(tokens, limit)  # raises, naming the first bad id
+    return words
+
+
 def encode_blocks(ids: U64, block_size: int) -> tuple[bytes, list[int]]:
     """The CBOR encodings of ``ids`` (all < ``ITEM_IDS_BELOW``; a whole number of blocks)
     back to back, and the end offset of every block's encodings in them."""

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import importlib.util
 import os
+import struct
 from array import array
 
 import numpy as np
@@ -31,6 +32,8 @@ _HEAD_MAX = 3 + 32 + 9 + 8  # prefix, parent, the longest array head; 8: C's sla
 
 
 _SHA_CTX_BYTES = 256  # >= sizeof(SHA256_CTX), 112 bytes in OpenSSL 1.1 and 3.x
+_ARGS = struct.Struct("=15Q")  # struct chain_args of _cbor_blocks.c, in native byte order
+IdWords = array | npt.NDArray[np.uint64]  # type: ignore[type-arg]
 
 
 class Encoder:
@@ -45,9 +48,7 @@ class Encoder:
         func.argtypes = [ptr, size, size, text, size, text, size, ptr, size, ptr]
         func.restype = size
         self._func = func
-        self._chain = lib.ci_block_chain
-        self._chain.argtypes = [ptr, size, size, text, size, text, size, text, ptr, ptr, size,
-                                ptr, ptr, ptr, ptr]
+        self._chain = lib.ci_block_chain  # one argument, a ctypes buffer: no argtypes needed
         self._chain.restype = ctypes.c_int
         self.sha: tuple[int, int, int] | None = None
         self.sha_source = ""
@@ -57,27 +58,36 @@ class Encoder:
             if not self._chain_agrees():
                 self.sha, self.sha_source = None, f"{self.sha_source} disagreed with hashlib"
 
-    def chain(self, ids: npt.NDArray[np.uint64], block_size: int, first_tail: bytes,
-              tail: bytes, parent: bytes) -> bytes:
-        """The 32-byte digests of every block of ``ids``, back to back, chained from
-        ``parent``, hashed in C (only when :attr:`sha` is set)."""
+    def chain(self, ids: IdWords, block_size: int, first_tail: bytes, tail: bytes,
+              parent: bytes) -> bytes:
+        """The 32-byte digests of every full block of ``ids``, back to back, chained from
+        ``parent``, in one C call (only when :attr:`sha` is set). ``ids`` is an
+        ``array("Q")`` or a C-contiguous native uint64 numpy array."""
         if self.sha is None:
             raise RuntimeError("no SHA-256 functions for the C chain")
         blocks = len(ids) // block_size
         if not blocks:
             return b""
-        ids = np.ascontiguousarray(ids, np.uint64)
+        address = (ids.buffer_info()[0] if isinstance(ids, array)
+                   else np.ascontiguousarray(ids, np.uint64).ctypes.data)
         cap = _HEAD_MAX + max(len(first_tail), len(tail)) + 9 * block_size
-        # one buffer: the digests, then the SHA-256 context, then the block being hashed
-        work = ctypes.create_string_buffer(32 * blocks + _SHA_CTX_BYTES + cap)
+        # one buffer: the packed arguments, the parent, the tails, the digests, the SHA-256
+        # context, the block being hashed (every field starts on an 8-byte boundary)
+        tails = len(first_tail) + len(tail)
+        at_tails = _ARGS.size + 32
+        at_digests = at_tails + tails + 7 & ~7
+        at_ctx = at_digests + 32 * blocks
+        at_scratch = at_ctx + _SHA_CTX_BYTES
+        work = ctypes.create_string_buffer(at_scratch + cap)
         base = ctypes.addressof(work)
-        status = self._chain(ids.ctypes.data, blocks, block_size, first_tail,
-                             len(first_tail), tail, len(tail), parent, base,
-                             base + 32 * blocks + _SHA_CTX_BYTES, cap,
-                             base + 32 * blocks, *self.sha)
-        if status != 0:
+        _ARGS.pack_into(work, 0, address, blocks, block_size, base + at_tails, len(first_tail),
+                        base + at_tails + len(first_tail), len(tail), base + _ARGS.size,
+                        base + at_digests, base + at_scratch, cap, base + at_ctx, *self.sha)
+        header = parent + first_tail + tail
+        struct.pack_into(f"{len(header)}s", work, _ARGS.size, header)
+        if self._chain(work) != 0:
             raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
-        return ctypes.string_at(base, 32 * blocks)
+        return ctypes.string_at(base + at_digests, 32 * blocks)
 
     def _chain_agrees(self) -> bool:
         """The C chain against preimages hashed by hashlib, on ids of every CBOR width."""
