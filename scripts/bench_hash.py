@@ -53,6 +53,7 @@ import cbor2
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import blockhash_native
 from common.blockhash import BlockHasher, HashSettings, none_hash
 
 VOCAB = 151_936
@@ -306,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     old = _old_child(args.old_rev, prompts) if args.old_rev else None
     print(f"Python {platform.python_version()}, cbor2 {importlib.metadata.version('cbor2')}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.clock} time, "
-          f"median of {args.rounds} rounds of best-of-N, taking turns; {note}\n")  # fmt: skip
+          f"median of {args.rounds} rounds of best-of-N, taking turns; {note}")  # fmt: skip
+    print(f"member_keys: {blockhash_native.status()}\n")
     old_head = (f" vs {args.old_rev} |", "---:|") if old else ("", "")
     print("| tokens | ids | block | member_keys | vLLM | cbor2+hashlib | vs vLLM | vs cbor2 |"
           + old_head[0] + "\n|---:|---|---:|---:|---:|---:|---:|---:|" + old_head[1])  # fmt: skip
