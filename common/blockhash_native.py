@@ -68,8 +68,9 @@ class Encoder:
         blocks = len(ids) // block_size
         if not blocks:
             return b""
-        address = (ids.buffer_info()[0] if isinstance(ids, array)
-                   else np.ascontiguousarray(ids, np.uint64).ctypes.data)
+        if not isinstance(ids, array):
+            ids = np.ascontiguousarray(ids, np.uint64)  # kept in ``ids`` until the call ends
+        address = ids.buffer_info()[0] if isinstance(ids, array) else ids.ctypes.data
         cap = _HEAD_MAX + max(len(first_tail), len(tail)) + 9 * block_size
         # one buffer: the packed arguments, the parent, the tails, the digests, the SHA-256
         # context, the block being hashed (every field starts on an 8-byte boundary)

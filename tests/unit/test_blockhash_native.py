@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from array import array
 
 import numpy as np
 import pytest
@@ -83,3 +84,16 @@ def test_the_switch_turns_it_off(value: str) -> None:
         env=env, capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
     assert out[0] == "True"
     assert native.DISABLE_ENV in out[1]
+
+
+def test_chain_takes_strided_and_other_dtype_arrays() -> None:
+    """A non-contiguous or non-uint64 numpy array is copied (and kept alive) for the call."""
+    encoder = _encoder()
+    require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
+    ids = np.arange(0, 4 * 300, dtype=np.uint64) * 977 % 151_936
+    parent = hashlib.sha256(b"p").digest()
+    want = encoder.chain(np.ascontiguousarray(ids[::4]), 20, b"\xf6", b"\xf6", parent)
+    assert len(want) == 32 * 15
+    assert encoder.chain(ids[::4], 20, b"\xf6", b"\xf6", parent) == want
+    assert encoder.chain(ids[::4].astype(np.int64), 20, b"\xf6", b"\xf6", parent) == want
+    assert encoder.chain(array("Q", ids[::4].tolist()), 20, b"\xf6", b"\xf6", parent) == want
