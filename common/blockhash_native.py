@@ -3,8 +3,8 @@
 The library is plain C (no Python API), built by ``pip install`` as an optional extension:
 it needs a C compiler, not Python's headers. :data:`ENCODER` is None when it was not built
 (no compiler at install time, or a checkout used without installing); :mod:`common.blockhash`
-then encodes with numpy (:mod:`common.blockhash_cbor`), bit for bit the same and about half
-as fast. :func:`status` says which one a process uses; the API logs it at start-up.
+then encodes with numpy (:mod:`common.blockhash_cbor`), bit for bit the same and a third
+to a half as fast. :func:`status` says which one a process uses; the API logs it at start-up.
 
 For ``n`` blocks of ``block_size`` ids the C function writes, back to back, each block's
 whole preimage ``0x83 0x58 0x20 | 32 bytes for the parent | array head | ids | tail`` with
