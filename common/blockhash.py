@@ -10,12 +10,13 @@ where ``serialize`` is ``cbor2.dumps(obj, canonical=True)`` for ``sha256_cbor`` 
 ``NONE_HASH = sha256(serialize(PYTHONHASHSEED string))``. KV events carry the last 8 bytes of
 each digest as an unsigned big-endian integer; the chain always uses all 32 bytes.
 
-The CBOR path does not call cbor2: this runs on every API request, so
-:mod:`common.blockhash_cbor` encodes a chunk of 8,192 ids at a time with numpy and this module
-slices each block's ids out of that and joins them into the block's preimage (same bytes as
-cbor2; the tests keep cbor2 as the reference). Per block, what is left in Python is one slice,
-one join and one sha256. The pickle path (``sha256``, vLLM's default) calls ``pickle.dumps``
-exactly as vLLM does, so it is only about as fast as vLLM.
+The CBOR path does not call cbor2: this runs on every API request. Where the C library
+``common/_cbor_blocks`` is built (:mod:`common.blockhash_native`), one C call encodes every
+block's preimage and hashes the chain with the libcrypto SHA-256 that hashlib uses; otherwise
+:mod:`common.blockhash_cbor` encodes 8,192 ids at a time with numpy and this module joins and
+hashes each block. Both produce cbor2's bytes (the tests keep cbor2 as the reference and run
+on every path). The pickle path (``sha256``, vLLM's default) calls ``pickle.dumps`` exactly
+as vLLM does, so it is only about as fast as vLLM.
 
 Decisions (vLLM behaviour the index must mirror, or input we refuse):
 
@@ -296,7 +297,9 @@ class BlockHasher:
         tail: bytes,
         keep: bool,
     ) -> tuple[list[bytes], list[bytes]]:
-        """The hot loop: per block, one slice, one join and one sha256."""
+        """sha256_cbor digests (and preimages if ``keep``) by the first path available: the C
+        chain, the C encoder with hashlib per block, or numpy with, per block, one slice,
+        one join and one sha256 (``docs/design.md``, "Block hashing")."""
         encoder = native.ENCODER
         if encoder is not None and encoder.sha is not None and not keep:
             blob = self._c_chain(encoder, token_ids, block_size, first_tail, tail)
