@@ -29,8 +29,6 @@ DISABLE_ENV = "CACHE_INDEXER_NO_NATIVE_HASH"
 """Set (to anything but "" or "0") to use the numpy encoder even where the library is built."""
 PARENT_AT = 3  # the parent digest's offset in a preimage: after 0x83 0x58 0x20
 _HEAD_MAX = 3 + 32 + 9 + 8  # prefix, parent, the longest array head; 8: C's slack
-
-
 _SHA_CTX_BYTES = 256  # >= sizeof(SHA256_CTX), 112 bytes in OpenSSL 1.1 and 3.x
 _ARGS = struct.Struct("=15Q")  # struct chain_args of _cbor_blocks.c, in native byte order
 IdWords = array | npt.NDArray[np.uint64]  # type: ignore[type-arg]
