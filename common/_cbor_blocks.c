@@ -155,3 +155,27 @@ int ci_block_chain(const struct chain_args *a)
     }
     return 0;
 }
+
+/* The Redis members of n digests: each digest's last 8 bytes as a big-endian unsigned int
+ * (the form vLLM's KV events carry), in decimal, each followed by one space. out must hold
+ * 21 * n bytes. Returns the number of bytes written. */
+size_t ci_decimal_keys(const uint8_t *digests, size_t n, uint8_t *out)
+{
+    uint8_t *p = out;
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t *d = digests + 32 * i + 24;
+        uint64_t value = 0;
+        for (int k = 0; k < 8; k++)
+            value = value << 8 | d[k];
+        uint8_t digits[20];
+        int count = 0;
+        do {
+            digits[count++] = (uint8_t)('0' + value % 10);
+            value /= 10;
+        } while (value);
+        while (count)
+            *p++ = digits[--count];
+        *p++ = ' ';
+    }
+    return (size_t)(p - out);
+}

@@ -48,6 +48,9 @@ class Encoder:
         self._func = func
         self._chain = lib.ci_block_chain  # one argument, a ctypes buffer: no argtypes needed
         self._chain.restype = ctypes.c_int
+        self._keys = lib.ci_decimal_keys
+        self._keys.argtypes = [text, size, ptr]
+        self._keys.restype = size
         self.sha: tuple[int, int, int] | None = None
         self.sha_source = ""
         found = _openssl_sha256()
@@ -87,6 +90,16 @@ class Encoder:
         if self._chain(work) != 0:
             raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
         return ctypes.string_at(base + at_digests, 32 * blocks)
+
+    def member_keys(self, digests: bytes) -> list[bytes]:
+        """The Redis member of every 32-byte digest in ``digests``: the uint64 of its last 8
+        bytes, big-endian, in ASCII decimal (what :meth:`BlockHasher.member_keys` returns)."""
+        count = len(digests) // 32
+        if not count:
+            return []
+        out = ctypes.create_string_buffer(21 * count)
+        written = self._keys(digests, count, ctypes.addressof(out))
+        return ctypes.string_at(ctypes.addressof(out), written).split()
 
     def _chain_agrees(self) -> bool:
         """The C chain against preimages hashed by hashlib, on ids of every CBOR width."""

@@ -97,3 +97,13 @@ def test_chain_takes_strided_and_other_dtype_arrays() -> None:
     assert encoder.chain(ids[::4], 20, b"\xf6", b"\xf6", parent) == want
     assert encoder.chain(ids[::4].astype(np.int64), 20, b"\xf6", b"\xf6", parent) == want
     assert encoder.chain(array("Q", ids[::4].tolist()), 20, b"\xf6", b"\xf6", parent) == want
+
+
+def test_member_keys_in_c_match_python_formatting() -> None:
+    encoder = _encoder()
+    edges = [0, 1, 9, 10, 99, 100, 2**32, 10**19 - 1, 10**19, 2**64 - 1]
+    rng = random.Random(3)
+    values = edges + [rng.getrandbits(64) for _ in range(500)]
+    digests = b"".join(rng.randbytes(24) + v.to_bytes(8, "big") for v in values)
+    assert encoder.member_keys(digests) == [b"%d" % v for v in values]
+    assert encoder.member_keys(b"") == []
