@@ -58,11 +58,13 @@ from common.blockhash import BlockHasher, HashSettings, none_hash
 
 VOCAB = 151_936
 BLOCKS = (16, 128)
+CALL_TOKENS = 40_960  # a timing covers max(1, CALL_TOKENS // tokens) calls in a row
 DISTRIBUTIONS = ("uniform", "zipf")
 
 # Runs in the vLLM interpreter. Reads one JSON line {"prompts": {name: tokens}}, answers
-# "ready <version>", then serves lines "<clock> <name> <block>" (-> ns of one hasher call by
-# that clock, "cpu" or "wall") and "ints <name> <block>" (-> JSON event ints) until EOF.
+# "ready <version>", then serves lines "<clock> <name> <block> <calls>" (-> ns of <calls>
+# hasher calls in a row by that clock, "cpu" or "wall") and "ints <name> <block> 1" (-> JSON
+# event ints) until EOF.
 VLLM_CHILD = r"""
 import json, os, sys, time
 os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
@@ -78,11 +80,12 @@ requests = {name: Request("bench", tokens, SamplingParams(max_tokens=1), None)
 hashers = {}
 print("ready", vllm.__version__, flush=True)
 for line in sys.stdin:
-    what, name, block = line.split()
+    what, name, block, calls = line.split()
     hasher = hashers.setdefault(block, kcu.get_request_block_hasher(int(block), sha256_cbor))
     clock = time.thread_time_ns if what == "cpu" else time.perf_counter_ns
     start = clock()
-    hashes = hasher(requests[name])  # the Request keeps no hashes: every call hashes all
+    for _ in range(int(calls)):
+        hashes = hasher(requests[name])  # the Request keeps no hashes: every call hashes all
     elapsed = clock() - start
     if what == "ints":
         print(json.dumps([int.from_bytes(bytes(h)[-8:], "big") for h in hashes]), flush=True)
@@ -100,13 +103,14 @@ hasher = BlockHasher(HashSettings())
 prompts = json.loads(sys.stdin.readline())["prompts"]
 print("ready", "old", flush=True)
 for line in sys.stdin:
-    what, name, block = line.split()
+    what, name, block, calls = line.split()
     if what == "ints":
         print(json.dumps(hasher.event_ints(prompts[name], int(block))), flush=True)
         continue
     clock = time.thread_time_ns if what == "cpu" else time.perf_counter_ns
     start = clock()
-    hasher.member_keys(prompts[name], int(block))
+    for _ in range(int(calls)):
+        hasher.member_keys(prompts[name], int(block))
     print(clock() - start, flush=True)
 """
 
@@ -139,13 +143,14 @@ class ChildHasher:
             raise RuntimeError(f"{python} could not run the hasher (see its stderr above)")
         self.version = ready[1]
 
-    def ask(self, what: str, name: str, block: int) -> str:
-        self.stdin.write(f"{what} {name} {block}\n")
+    def ask(self, what: str, name: str, block: int, calls: int = 1) -> str:
+        self.stdin.write(f"{what} {name} {block} {calls}\n")
         self.stdin.flush()
         return self.stdout.readline()
 
-    def time_ns(self, clock: str, name: str, block: int) -> int:
-        return int(self.ask(clock, name, block))
+    def time_ns(self, clock: str, name: str, block: int, calls: int = 1) -> int:
+        """ns of ``calls`` hasher calls in a row, in the child."""
+        return int(self.ask(clock, name, block, calls))
 
     def event_ints(self, name: str, block: int) -> list[int]:
         return list(json.loads(self.ask("ints", name, block)))
@@ -173,19 +178,27 @@ def reference_digests(parent: bytes, tokens: list[int], block: int) -> list[byte
     return out
 
 
-def best_ns(funcs: list[Callable[[], int | None]], repeat: int, clock: str) -> list[int]:
-    """Best-of-``repeat`` time of each function, the functions taking turns so that load
-    from other processes on the machine falls on all of them alike. A function returning an
-    int reports its own time (the vLLM child times itself)."""
+def best_ns(funcs: list[Callable[[], int | None]], repeat: int, clock: str,
+            calls: int = 1) -> list[float]:
+    """Best-of-``repeat`` time of one call of each function, the functions taking turns so
+    that load from other processes on the machine falls on all of them alike. Each timing
+    covers ``calls`` calls in a row (so that a short prompt's time is well above the clock's
+    granularity). A function returning an int reports its own time for ``calls`` calls (the
+    children time themselves)."""
     now = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
-    best = [2**63] * len(funcs)
+    best = [float(2**63)] * len(funcs)
     for _ in range(repeat):
         for index, func in enumerate(funcs):
             start = now()
             reported = func()
             elapsed = now() - start if reported is None else reported
-            best[index] = min(best[index], elapsed)
+            best[index] = min(best[index], max(elapsed, 1) / calls)
     return best
+
+
+def _calls(count: int, func: Callable[..., object], *args: object) -> None:
+    for _ in range(count):
+        func(*args)
 
 
 def _quiet(func: Callable[[], object]) -> Callable[[], None]:
@@ -214,12 +227,13 @@ def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher
         if child is not None and child.event_ints(name, block) != hasher.event_ints(prompt, block):
             raise SystemExit(f"{child.version}'s hashes differ from ours ({name}, block {block})")
     parent = none_hash(hasher.settings)
-    funcs = [_quiet(partial(hasher.member_keys, prompt, block)),
-             _quiet(partial(reference_digests, parent, prompt, block))]  # fmt: skip
+    calls = max(1, CALL_TOKENS // tokens)
+    funcs = [_quiet(partial(_calls, calls, hasher.member_keys, prompt, block)),
+             _quiet(partial(_calls, calls, reference_digests, parent, prompt, block))]
     for child in (vllm, old):
         if child is not None:
-            funcs.append(partial(child.time_ns, args.clock, name, block))
-    times = [best_ns(funcs, repeat, args.clock) for _ in range(args.rounds)]
+            funcs.append(partial(child.time_ns, args.clock, name, block, calls))
+    times = [best_ns(funcs, repeat, args.clock, calls) for _ in range(args.rounds)]
     vs_old = f" {_ratio([t[-1] / t[0] for t in times])} |" if old is not None else ""
     ours, ref = (statistics.median(t[i] for t in times) for i in range(2))
     vs_ref = _ratio([t[1] / t[0] for t in times])
