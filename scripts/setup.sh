@@ -2,7 +2,8 @@
 # Install what cache-indexer and its tests need on a fresh Debian machine (idempotent):
 # redis-server, libibverbs1 (for the Mooncake wheel), iproute2 + util-linux (network
 # namespaces for the Mooncake store clients), openssl (self-signed certs for the in-cluster
-# HTTPS and the Redis TLS tests), and the Python packages, Helm's engine included. Anything it cannot install
+# HTTPS and the Redis TLS tests), cross compilers and qemu-user (the C block encoder on
+# aarch64 and s390x), and the Python packages, Helm's engine included. Anything it cannot install
 # fails the script: under CI=true the tests fail, not skip, when a prerequisite is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,11 @@ command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)  # TLS test certificates
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need_apt+=(libibverbs1)
+# The C block encoder on other CPUs (tests/unit/test_blockhash_native_cross.py): aarch64, as
+# on Ascend hosts, and big-endian s390x, cross-compiled and run under qemu's user mode.
+command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || need_apt+=(gcc-aarch64-linux-gnu)
+command -v s390x-linux-gnu-gcc >/dev/null 2>&1 || need_apt+=(gcc-s390x-linux-gnu)
+command -v qemu-aarch64 >/dev/null 2>&1 || need_apt+=(qemu-user)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   echo "setup: installing Debian packages: ${need_apt[*]}"
@@ -56,7 +62,8 @@ fi
 
 # Check the result: every tool and module the suite needs is there now.
 missing=()
-for tool in redis-server ip unshare openssl mooncake_master cache-indexer; do
+for tool in redis-server ip unshare openssl mooncake_master cache-indexer \
+            aarch64-linux-gnu-gcc s390x-linux-gnu-gcc qemu-aarch64 qemu-s390x; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
 # shellcheck disable=SC2207 # module names have no spaces
