@@ -21,7 +21,8 @@
  * ci_block_chain does the whole chain: it encodes one block at a time into a scratch buffer
  * and hashes it with SHA-256 functions the caller passes in: OpenSSL's SHA256_Init/
  * SHA256_Update/SHA256_Final, from the libcrypto that Python's hashlib itself uses (this file
- * has no SHA-256 of its own, and links against nothing).
+ * has no SHA-256 of its own, and links against nothing). ci_decimal_keys writes the Redis
+ * members of the digests: the decimal of each one's last 8 bytes, big-endian.
  */
 #include <stddef.h>
 #include <stdint.h>
