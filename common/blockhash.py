@@ -184,7 +184,10 @@ class BlockHasher:
         lora_path: str | None = None,
     ) -> list[bytes]:
         """The 32-byte digest of every full block, in order."""
-        return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, False)[0]
+        blob = self._c_digests(token_ids, block_size, cache_salt, lora_name, lora_path)
+        if blob is None:
+            return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, False)[0]
+        return [blob[i : i + 32] for i in range(0, len(blob), 32)]
 
     def event_ints(
         self,
@@ -230,14 +233,25 @@ class BlockHasher:
                      lora_name: str | None, lora_path: str | None) -> bytes:
         """Every full block's digest, back to back: straight from the C chain when it is
         there (no per-block objects at all), else joined from :meth:`_chain`."""
+        blob = self._c_digests(token_ids, block_size, cache_salt, lora_name, lora_path)
+        if blob is None:
+            blob = b"".join(self._chain(token_ids, block_size, cache_salt, lora_name, lora_path,
+                                        False)[0])
+        return blob
+
+    def _c_digests(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+                   lora_name: str | None, lora_path: str | None) -> bytes | None:
+        """The digests from one C call (every id validated first, those of the partial block
+        too), or None where the C chain does not apply (not built, no libcrypto SHA-256, or
+        the pickle algorithm)."""
         encoder = native.ENCODER
         if encoder is None or encoder.sha is None or self.settings.algo != "sha256_cbor":
-            return b"".join(self._chain(token_ids, block_size, cache_salt, lora_name, lora_path,
-                                        False)[0])
+            return None
         _check_block_size(block_size)
         first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
-        return self._c_chain(encoder, token_ids, block_size, cbor.encode(first),
-                             cbor.encode(rest))
+        words = cbor.id_words(token_ids, self._token_limit)
+        return encoder.chain(words, block_size, cbor.encode(first), cbor.encode(rest),
+                             self._none_hash)
 
     def _chain(
         self,
@@ -299,13 +313,10 @@ class BlockHasher:
         tail: bytes,
         keep: bool,
     ) -> tuple[list[bytes], list[bytes]]:
-        """sha256_cbor digests (and preimages if ``keep``) by the first path available: the C
-        chain, the C encoder with hashlib per block, or numpy with, per block, one slice,
-        one join and one sha256 (``docs/design.md``, "Block hashing")."""
+        """sha256_cbor digests (and preimages if ``keep``) where the C chain is not used
+        (:meth:`_c_digests`): the C encoder with hashlib per block, else numpy with, per
+        block, one slice, one join and one sha256 (``docs/design.md``, "Block hashing")."""
         encoder = native.ENCODER
-        if encoder is not None and encoder.sha is not None and not keep:
-            blob = self._c_chain(encoder, token_ids, block_size, first_tail, tail)
-            return [blob[i : i + 32] for i in range(0, len(blob), 32)], []
         if encoder is not None:
             return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail,
                                       keep)
@@ -327,13 +338,6 @@ class BlockHasher:
                 if keep:
                     preimages.append(preimage)
         return digests, preimages
-
-    def _c_chain(self, encoder: native.Encoder, token_ids: Sequence[int], block_size: int,
-                 first_tail: bytes, tail: bytes) -> bytes:
-        """The digests of every full block, back to back, all in one C call (every id is
-        validated first, those of the partial block too)."""
-        words = cbor.id_words(token_ids, self._token_limit)
-        return encoder.chain(words, block_size, first_tail, tail, self._none_hash)
 
     def _native_chain(
         self,

@@ -45,7 +45,7 @@ class Encoder:
         func = lib.ci_block_preimages
         func.argtypes = [ptr, size, size, text, size, text, size, ptr, size, ptr]
         func.restype = size
-        self._func = func
+        self._preimages = func
         self._chain = lib.ci_block_chain  # one argument, a ctypes buffer: no argtypes needed
         self._chain.restype = ctypes.c_int
         self._keys = lib.ci_decimal_keys
@@ -134,7 +134,7 @@ class Encoder:
         out = bytearray(cap)
         ends = array("Q", bytes(8 * blocks))
         buffer = (ctypes.c_char * cap).from_buffer(out)
-        written = self._func(ids.ctypes.data, blocks, block_size, first_tail, len(first_tail),
+        written = self._preimages(ids.ctypes.data, blocks, block_size, first_tail, len(first_tail),
                              tail, len(tail), ctypes.addressof(buffer), cap,
                              ends.buffer_info()[0])
         del buffer  # releases the export, so ``out`` may be resized

@@ -27,8 +27,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,8 +51,11 @@ from common.store import Instance, Store, TierOps
 from services.api import hit_rate
 from services.api.api_metrics import ApiMetrics
 
+from bench_util import free_port, stop, wait_for
+
 BLOCK = 128
 NOISE = 20_000  # unrelated block hashes per instance and tier
+_STARTING = (OSError, httpx.HTTPError, redis.RedisError)  # a server still starting
 MEMBERS_ENV = "BENCH_API_MEMBERS"  # file: {"<token count>": [members...]} for the baseline
 
 
@@ -108,34 +109,6 @@ def baseline_app() -> Any:
     app.add_route("/trivial", Read((keys.tier_set,)))
     app.add_route("/floor", Read((keys.tier_set, keys.l3_set)))
     return app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(cond: Callable[[], object], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except (OSError, httpx.HTTPError, redis.RedisError):  # still starting
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"bench: timed out waiting for {what}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _populate(store: Store, rng: random.Random, prompt: list[int], ips: list[str]) -> None:
@@ -331,13 +304,13 @@ class Servers:
     def __init__(self, tmp: Path, workers: int) -> None:
         self.tmp, self.workers = tmp, workers
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.redis_port, self.api_port, self.base_port = _free_port(), _free_port(), _free_port()
+        self.redis_port, self.api_port, self.base_port = free_port(), free_port(), free_port()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
         self.env["PYTHONPATH"] = str(ROOT)
         self._start(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
                      "--save", "", "--appendonly", "no", "--dir", str(tmp)])
         self.client = redis.Redis(port=self.redis_port)
-        _wait(self.client.ping, "redis-server")
+        wait_for(self.client.ping, "redis-server", 30, tolerate=_STARTING)
 
     def _start(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.procs.append(subprocess.Popen(argv, cwd=ROOT, env=env or self.env,
@@ -345,7 +318,7 @@ class Servers:
 
     def start_http(self, members: dict[int, list[bytes]]) -> dict[str, tuple[str, int]]:
         """The API, the API without hashing and the trivial app: name → (url, master pid)."""
-        ports = [_free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(3)]
         config = self.tmp / "config.yaml"
         config.write_text(
             f'http:\n  addr: "127.0.0.1:{ports[0]}"\n  workers: {self.workers}\n'
@@ -367,8 +340,8 @@ class Servers:
                          "--bind", f"127.0.0.1:{port}", "--pythonpath", "scripts",
                          f"bench_api:{app}"], env)
         for port in ports:
-            _wait(lambda p=port: httpx.get(f"http://127.0.0.1:{p}/healthz").status_code
-                  in (200, 404, 405), f"the server on {port}")
+            wait_for(lambda p=port: httpx.get(f"http://127.0.0.1:{p}/healthz").status_code
+                     in (200, 404, 405), f"the server on {port}", 30, tolerate=_STARTING)
         urls = [f"http://127.0.0.1:{ports[0]}{hit_rate.PATH}",
                 f"http://127.0.0.1:{ports[1]}{hit_rate.PATH}", f"http://127.0.0.1:{ports[2]}"]
         names = ("API", "API, hashing taken out", "trivial app")
@@ -376,7 +349,7 @@ class Servers:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            _stop(proc)
+            stop(proc)
 
 
 def main() -> int:

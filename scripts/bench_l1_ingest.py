@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,33 +48,20 @@ from common.store import Instance, Store
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
 
+from bench_util import free_port, stop, wait_for
+
 IP = "127.0.0.9"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(cond: Callable[[], object], what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not cond():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        pause.wait(0.001)
-
-
 def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     rds = subprocess.Popen(
         [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
          "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
         stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
-    _wait(lambda: _pings(client), "redis-server")
+    wait_for(lambda: _pings(client), "redis-server", 120, interval=0.001)
     return rds, _ingester(workdir, url), url
 
 
@@ -91,11 +77,6 @@ def _ingester(workdir: Path, url: str, hash_check_rate: int | None = None
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config),
          "--shard", "0", "--shards", "1"], cwd=ROOT)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(10)
 
 
 Runs = dict[int, list[tuple[float, float]]]
@@ -114,7 +95,7 @@ def check_comparison(workdir: Path, url: str, store: Store, batches: int, per_st
                 t = throughput(store, batches, per_step, uid=f"uid-check-{rate}-{r}",
                                pid=ingester.pid)
             finally:
-                _stop(ingester)
+                stop(ingester)
             store.remove_instance(IP)
             out[rate].append((t["batches"] / t["seconds"],
                               t["ingester_cpu_seconds"] / t["batches"] * 1e6))
@@ -178,7 +159,7 @@ def _pings(client: redis.Redis) -> bool:
 
 
 def _sim(batches: int, block_size: int) -> SimulatedVLLM:
-    return SimulatedVLLM(f"tcp://*:{_free_port()}", f"tcp://*:{_free_port()}", "kv-events",
+    return SimulatedVLLM(f"tcp://*:{free_port()}", f"tcp://*:{free_port()}", "kv-events",
                          vllm_version="0.28.0", block_size=block_size, num_blocks=4096,
                          buffer_steps=batches + 10)
 
@@ -195,7 +176,7 @@ def _register(store: Store, sim: SimulatedVLLM, uid: str) -> None:
         threading.Event().wait(0.01)
         return False
 
-    _wait(joined, "the ingester to join")
+    wait_for(joined, "the ingester to join", 120, interval=0.001)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -226,7 +207,8 @@ def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throug
     sim.flush()
     published = time.perf_counter() - started
     last = payloads_start + batches - 1
-    _wait(lambda: (store.last_seq(IP, 0) or -1) >= last, "the last batch")
+    wait_for(lambda: (store.last_seq(IP, 0) or -1) >= last, "the last batch", 120,
+             interval=0.001)
     elapsed = time.perf_counter() - started
     cpu = _cpu_seconds(pid) - cpu_start if pid else 0.0
     sim.close()
@@ -306,7 +288,7 @@ def main() -> int:
     store = Store(client)
     try:
         if args.check_only:
-            _stop(ingester)
+            stop(ingester)
             compared = check_comparison(workdir, url, store, args.check_batches,
                                         args.per_step, rates, args.check_rounds)
             _print_check(compared, *check_cost(2_000, args.per_step), args.check_batches)
@@ -316,13 +298,13 @@ def main() -> int:
         sadd = raw_sadd(client, 200_000)
         store.remove_instance(IP)
         lags = lag(store, args.rate, args.lag_seconds, args.per_step)
-        _stop(ingester)
+        stop(ingester)
         store.remove_instance(IP)
         compared = check_comparison(workdir, url, store, args.check_batches, args.per_step,
                                     rates, args.check_rounds)
     finally:
         if ingester.poll() is None:
-            _stop(ingester)
+            stop(ingester)
         rds.terminate()
         rds.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -23,12 +23,10 @@ import argparse
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -40,34 +38,22 @@ sys.path.insert(0, str(ROOT))
 from common import keys  # noqa: E402
 from common.store import Instance, Store  # noqa: E402
 
+from bench_util import free_port, wait_for  # noqa: E402
+
 IP = "127.0.0.9"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(cond: Callable[[], object], what: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 class Server:
     """A fresh server process of the given binary, no persistence."""
 
     def __init__(self, exe: str, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.client = redis.Redis.from_url(self.url)
-        _wait(self._pings, "the server")
+        wait_for(self._pings, "the server", 300, interval=0.1)
 
     def _pings(self) -> bool:
         try:
@@ -92,7 +78,7 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, dict[str, int]]:
     """Run simulator + discovery + l1-ingest; return (memory delta, true hash → copies)."""
-    pub, replay = _free_port(), _free_port()
+    pub, replay = free_port(), free_port()
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump({
         "redis": {"url": server.url}, "log": {"level": "warning"},
@@ -103,7 +89,8 @@ def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, di
                           "backoffMax": "1s", "replayTimeout": "10s"}}}))
     store = Store(server.client)
     children = [_spawn(["discovery", "--config", str(config)], work / "discovery.log")]
-    _wait(lambda: store.get_instance(IP) is not None, "discovery to register the pod")
+    wait_for(lambda: store.get_instance(IP) is not None, "discovery to register the pod", 300,
+             interval=0.1)
     before = server.used()
     children.append(_spawn(["l1-ingest", "--config", str(config), "--shard", "0", "--shards",
                             "1"], work / "ingest.log"))
@@ -117,7 +104,8 @@ def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, di
     try:
         sim.wait(args.seconds + 600)
         truth = json.loads(state.read_text())["ranks"]["0"]
-        _wait(lambda: store.last_seq(IP, 0) == truth["last_seq"], "the ingester to catch up")
+        wait_for(lambda: store.last_seq(IP, 0) == truth["last_seq"], "the ingester to catch up",
+                 300, interval=0.1)
         counts = {int(h): n for h, n in truth["gpu"].items()}
         if store.tier_counts(IP) != counts:
             raise SystemExit("the index differs from the simulator's true cache")

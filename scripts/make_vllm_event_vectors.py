@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -42,6 +41,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
 )
 from vllm.v1.request import Request  # noqa: E402
+
+from bench_util import free_port  # noqa: E402  (the script's own directory is on sys.path)
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 12
@@ -73,12 +74,6 @@ def _requests(hasher: object) -> list[Request]:
             for rid, tokens, salt, lr in specs]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _join(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) -> None:
     """Slow joiner (spec §1.2; here the first batch is lost every time): publish empty
     batches until one arrives, so that none of the recorded ones is lost."""
@@ -99,7 +94,7 @@ def _capture(algo: str) -> dict[str, object]:
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    port = _free_port()
+    port = free_port()
     sub.bind(f"tcp://127.0.0.1:{port}")
     publisher = ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", topic=TOPIC)
     _join(publisher, sub)

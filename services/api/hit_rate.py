@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 from array import array
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import falcon
