@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 import yaml
@@ -100,10 +101,13 @@ def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, di
                   str(args.num_blocks), "--buffer-steps", "100000", "--rate", str(args.rate),
                   "--requests-per-step", "4", "--workload", args.workload, "--prompts", "512",
                   "--prompt-len", "2048", "--duration", str(args.seconds), "--state-file",
-                  str(state)], work / "sim.log")
+                  str(state), "--linger", "600"], work / "sim.log")
+    children.append(sim)
     try:
-        sim.wait(args.seconds + 600)
-        truth = json.loads(state.read_text())["ranks"]["0"]
+        final = wait_for(lambda: _finished(state), "the simulator's run to end",
+                         args.seconds + 600, interval=0.2)
+        assert final is not None
+        truth = final["ranks"]["0"]
         wait_for(lambda: store.last_seq(IP, 0) == truth["last_seq"], "the ingester to catch up",
                  300, interval=0.1)
         counts = {int(h): n for h, n in truth["gpu"].items()}
@@ -115,6 +119,15 @@ def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, di
             child.send_signal(signal.SIGTERM)
         for child in children:
             child.wait(15)
+
+
+def _finished(state: Path) -> dict[str, Any] | None:
+    """The simulator's final state (it lingers after writing it, serving replay)."""
+    try:
+        data: dict[str, Any] = json.loads(state.read_text())
+    except FileNotFoundError:
+        return None
+    return data if data.get("finished") else None
 
 
 def _side_by_side(server: Server, members: list[str], copies: dict[str, int]) -> dict[str, int]:

@@ -9,6 +9,9 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -18,15 +21,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(cond: Callable[[], object], what: str, timeout: float, interval: float = 0.05,
-             tolerate: tuple[type[BaseException], ...] = ()) -> None:
-    """Poll ``cond`` until it is true; an exception in ``tolerate`` counts as not yet (a
-    server still starting). SystemExit naming ``what`` after ``timeout`` seconds."""
+def wait_for(cond: Callable[[], T], what: str, timeout: float, interval: float = 0.05,
+             tolerate: tuple[type[BaseException], ...] = ()) -> T:
+    """Poll ``cond`` until it returns something true and return that; an exception in
+    ``tolerate`` counts as not yet (a server still starting). SystemExit naming ``what``
+    after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if cond():
-                return
+            value = cond()
+            if value:
+                return value
         except tolerate:
             pass
         time.sleep(interval)

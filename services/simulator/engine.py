@@ -122,11 +122,13 @@ class SimulatedVLLM:
         return self.hasher.member_keys(list(request.token_ids), self.block_size,
                                        request.cache_salt)
 
-    def state(self) -> dict[str, Any]:
+    def state(self, *, finished: bool = False) -> dict[str, Any]:
         """JSON-able truth: per rank the last sequence, GPU hash → copies, CPU hashes, and
-        (vllm-ascend) the hashes its connector put into the pool."""
+        (vllm-ascend) the hashes its connector put into the pool; ``finished`` once the run
+        is over and nothing more will be published."""
         return {
             "block_size": self.block_size,
+            "finished": finished,
             "restarts": self.restarts,
             "updated": time.time(),
             "ranks": {
@@ -141,9 +143,9 @@ class SimulatedVLLM:
             },
         }
 
-    def write_state(self, path: str | os.PathLike[str]) -> None:
+    def write_state(self, path: str | os.PathLike[str], *, finished: bool = False) -> None:
         """Atomically replace ``path`` with :meth:`state` as JSON."""
         target = Path(path)
         tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(self.state()), encoding="utf-8")
+        tmp.write_text(json.dumps(self.state(finished=finished)), encoding="utf-8")
         tmp.replace(target)

@@ -8,7 +8,11 @@ Each step serves ``--requests-per-step`` prompts from the workload on every DP r
 publishes that step's events as one batch. ``--drop-every K`` leaves every K-th batch out of
 the live stream (replay still has it), ``--restart-after N`` restarts the simulated vLLM once
 after N steps, ``--reset-every N`` emits AllBlocksCleared. ``--state-file`` receives the true
-cache contents as JSON every second and at exit. ``--engine vllm-ascend`` plays vllm-ascend:
+cache contents as JSON every second and at the end of the run (then with ``"finished": true``).
+A ``--duration`` run ends with a batch sent live: a dropped last batch would be a gap nobody
+can see, since vLLM sends nothing until its next step. ``--linger S`` keeps the sockets open
+(serving replay) for S seconds after the run, so a subscriber can catch up before the
+simulated vLLM goes away. ``--engine vllm-ascend`` plays vllm-ascend:
 vLLM's events in the paired release's encoding (``--vllm-version`` defaults to 0.18.0, i.e.
 vllm-ascend v0.18.0) plus its store connector's ``BlockStored(medium="cpu")`` per pooled block.
 """
@@ -62,6 +66,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--hash-algo", default="sha256_cbor", choices=("sha256_cbor", "sha256"),
       help="--prefix-caching-hash-algo of the simulated engine")
     a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
+    a("--linger", type=float, default=0.0,
+      help="after the run, keep the sockets open (serving replay) for this many seconds")
     a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
     a("--restart-after", type=int, default=0, help="restart once after N steps")
     a("--reset-every", type=int, default=0, help="reset the prefix cache every N steps")
@@ -89,10 +95,16 @@ def main(argv: list[str]) -> int:
                 args.vllm_version, args.endpoint, ranks, args.replay_endpoint or "none")
     try:
         _run(args, sim, workload, stop)
+        sim.flush()
+        if args.state_file:
+            sim.write_state(args.state_file, finished=True)
+        if args.linger > 0 and not stop.is_set():
+            logger.info("run over; serving replay for %gs", args.linger)
+            stop.wait(args.linger)
     finally:
         sim.flush()
         if args.state_file:
-            sim.write_state(args.state_file)
+            sim.write_state(args.state_file, finished=True)
         sim.close()
     return 0
 
@@ -115,10 +127,12 @@ def _run(args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload,
          stop: threading.Event) -> None:
     period = 1.0 / args.rate if args.rate > 0 else 0.0
     start = next_step = last_dump = time.monotonic()
-    step = 0
+    step, dropped = 0, False
     while not stop.is_set():
         now = time.monotonic()
         if args.duration and now - start >= args.duration:
+            if dropped:  # end on a live batch, so the subscriber sees the gap before it
+                sim.serve(step_requests(args, workload, step + 1, len(sim.ranks)))
             return
         step += 1
         if args.restart_after and step == args.restart_after + 1:
@@ -126,8 +140,8 @@ def _run(args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload,
             sim.restart()
         if args.reset_every and step % args.reset_every == 0:
             sim.reset_prefix_cache()
-        drop = bool(args.drop_every) and step % args.drop_every == 0
-        sim.serve(step_requests(args, workload, step, len(sim.ranks)), drop=drop)
+        dropped = bool(args.drop_every) and step % args.drop_every == 0
+        sim.serve(step_requests(args, workload, step, len(sim.ranks)), drop=dropped)
         if args.state_file and now - last_dump >= 1.0:
             sim.flush()
             sim.write_state(args.state_file)

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import zmq
 
 from common.store import Instance, Store, TierOps
 from services.l1_ingest.sharding import rendezvous_owner
@@ -178,17 +179,54 @@ def test_simulate_vllm_cli_state_file_matches_the_index(
     store.upsert_instance(Instance(ip=ip, uid="u", zmq_endpoint=f"tcp://127.0.0.1:{port}",
                                    replay_endpoint=f"tcp://127.0.0.1:{rport}"))
     state = tmp_path / "sim.json"
-    sim = subprocess.run(
+    sim = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "simulate-vllm", "--endpoint", f"tcp://*:{port}",
          "--replay-endpoint", f"tcp://*:{rport}", "--topic", "kv-events", "--vllm-version",
          "0.23.0", "--num-blocks", "40", "--rate", "100", "--duration", "1.5",
-         "--drop-every", "7", "--restart-after", "60", "--state-file", str(state)],
-        check=False, cwd=ROOT, env=subprocess_env, capture_output=True, timeout=30)
-    assert sim.returncode == 0, sim.stderr.decode()[-2000:]
-    truth = json.loads(state.read_text())["ranks"]["0"]
+         "--drop-every", "7", "--restart-after", "60", "--state-file", str(state),
+         "--linger", "120"],
+        cwd=ROOT, env=subprocess_env, stderr=(tmp_path / "sim.log").open("wb"))
+    procs.append(sim)
+
+    def finished() -> dict[str, object] | None:
+        data = json.loads(state.read_text())  # written atomically
+        return data if data["finished"] else None
+
+    truth = wait_for(finished, timeout=60, what="the simulator's run to end")["ranks"]["0"]
     assert truth["last_seq"] >= 20
-    wait_for(lambda: store.last_seq(ip, 0) == truth["last_seq"], what="the ingester to catch up")
+    # The simulator lingers, serving replay, so the gaps it left can be filled.
+    wait_for(lambda: store.last_seq(ip, 0) == truth["last_seq"], timeout=60,
+             what="the ingester to catch up")
     assert store.tier_counts(ip) == {int(h): n for h, n in truth["gpu"].items()}
+    sim.send_signal(signal.SIGTERM)
+    assert sim.wait(10) == 0
+    assert b"run over; serving replay" in (tmp_path / "sim.log").read_bytes()
+
+
+def test_simulate_vllm_ends_a_run_on_a_live_batch(tmp_path: Path,
+                                                   subprocess_env: dict[str, str]) -> None:
+    """--drop-every 1 drops every step; the run still ends with one batch sent live."""
+    port, state = reserve_ports(), tmp_path / "sim.json"
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sim = subprocess.run(
+            [sys.executable, "-m", "services.cli", "simulate-vllm", "--endpoint",
+             f"tcp://*:{port}", "--rate", "50", "--duration", "1.0", "--drop-every", "1",
+             "--linger", "0.5", "--state-file", str(state)],
+            check=False, cwd=ROOT, env=subprocess_env, capture_output=True, timeout=30)
+        assert sim.returncode == 0, sim.stderr.decode()[-2000:]
+        data = json.loads(state.read_text())
+        assert data["finished"] is True
+        received = []
+        while sub.poll(0):
+            received.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+        assert received == [data["ranks"]["0"]["last_seq"]]  # only the closing batch
+    finally:
+        sub.close()
 
 
 @pytest.mark.parametrize("args", [["--config", "/nonexistent.yaml"],
