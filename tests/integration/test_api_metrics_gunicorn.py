@@ -52,5 +52,5 @@ def test_a_dead_workers_counts_stay_in_the_sum(api: Api) -> None:
         assert _count(api, "/healthz", "200") >= n
     total = _count(api, "/healthz", "200")
     assert httpx.get(f"{api.url}/healthz").status_code == 200
-    wait_for(lambda: _count(api, "/healthz", "200") == total + 1, timeout=5,
+    wait_for(lambda: _count(api, "/healthz", "200") == total + 1, timeout=15,
              what="the new worker to count on top")
