@@ -81,7 +81,7 @@ class Conn(TConn):  # type: ignore[misc]
         self.registered = False
         self.buf = bytearray()
         self.frame: RequestFrame | None = None
-        self.header_deadline = math.inf
+        self.headers_handled = False  # write deadline armed, 100 Continue sent (once)
         self.idle_timeout = math.inf
         self.body_buffered = True
         self.drained = 0

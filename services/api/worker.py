@@ -95,13 +95,12 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         now, limits = time.monotonic(), self.limits
         conn.raw.setblocking(False)  # a pool thread left it blocking with a timeout
         conn.state, conn.buf = READING, bytearray(leftover)
-        conn.frame = RequestFrame(self.header_cap, limits.body_cap)
-        conn.header_deadline = now + limits.header_timeout
+        conn.frame, conn.headers_handled = RequestFrame(self.header_cap, limits.body_cap), False
         conn.sock.read_deadline = now + limits.read_timeout
         conn.sock.write_deadline = math.inf
         self._reading.add(conn)
         self._buffered += len(conn.buf)
-        self._arm(conn, min(conn.header_deadline, conn.sock.read_deadline))
+        self._arm(conn, min(now + limits.header_timeout, conn.sock.read_deadline))
         self._read(conn)
 
     def _read(self, conn: Conn) -> None:
@@ -120,7 +119,7 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         frame = conn.frame
         assert frame is not None
         complete = frame.feed(conn.buf)
-        if (frame.headers_done or complete) and conn.sock.write_deadline == math.inf:
+        if (frame.headers_done or complete) and not conn.headers_handled:
             self._headers_read(conn, frame, complete)
         if complete:
             self._dispatch(conn)
@@ -130,8 +129,8 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
             self._shed()
 
     def _headers_read(self, conn: Conn, frame: RequestFrame, complete: bool) -> None:
+        conn.headers_handled = True
         conn.sock.write_deadline = time.monotonic() + self.limits.write_timeout
-        conn.header_deadline = math.inf
         self._arm(conn, conn.sock.read_deadline)
         if frame.expect_continue and not complete:
             try:

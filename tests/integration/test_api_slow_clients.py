@@ -227,3 +227,25 @@ def test_chunked_body_after_100_continue_is_served(fast_api: Api) -> None:
     data = _read_until_closed(sock)  # the answer, then the idle deadline closes it
     assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1 100") == 0
     assert orjson.loads(data.split(b"\r\n\r\n", 1)[1])["status"] == 0
+
+
+def test_no_write_deadline_still_sends_one_100_continue(
+        redis_srv: RedisServer, tmp_path: Path) -> None:
+    """``writeTimeout: 0`` (none): the headers are still handled once, however many reads
+    the body takes — one ``100 Continue``, not one per read."""
+    api = Api(tmp_path, redis_srv.url, "  writeTimeout: 0s\n  idleTimeout: 1s\n")
+    try:
+        sock = _connect(api, (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                              f"application/json\r\nContent-Length: {len(BODY)}\r\n"
+                              "Expect: 100-continue\r\n\r\n").encode())
+        sock.settimeout(30)
+        assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        third = len(BODY) // 3
+        for part in (BODY[:third], BODY[third:2 * third]):
+            sock.sendall(part)
+            time.sleep(0.2)  # separate reads on the server (pacing, not a measurement)
+        sock.sendall(BODY[2 * third:])
+        data = _read_until_closed(sock)  # the answer, then the idle deadline closes it
+        assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1 100") == 0
+    finally:
+        api.stop()
