@@ -111,18 +111,28 @@ class HashSettings:
         return cls(algo=algo, seed=seed, vllm_version=parse_vllm_version(vllm_version))
 
 
+def effective_seed(settings: HashSettings) -> str:
+    """The seed vLLM derives NONE_HASH from: the configured one, else vLLM >= 0.29's fixed
+    default; raises ConfigError when it is unset for an older vLLM."""
+    if settings.seed is not None:
+        return settings.seed
+    if settings.vllm_version < _FIXED_NONE_HASH_SINCE:
+        raise ConfigError(
+            "PYTHONHASHSEED is unset: vLLM < 0.29 then draws a random NONE_HASH per "
+            "process, so its block hashes are random and cannot be reproduced; set "
+            "PYTHONHASHSEED on the vLLM pods and the same value in blockKey.pythonHashSeed"
+        )
+    return DEFAULT_NONE_HASH_SEED
+
+
+def tags_extra_keys(vllm_version: tuple[int, int, int]) -> bool:
+    """Whether this vLLM tags each extra key with its kind (``("lora", name, path)``...)."""
+    return vllm_version >= _TAGGED_KEYS_SINCE
+
+
 def none_hash(settings: HashSettings) -> bytes:
     """NONE_HASH, the parent digest of block 0, for these settings (32 bytes)."""
-    seed = settings.seed
-    if seed is None:
-        if settings.vllm_version < _FIXED_NONE_HASH_SINCE:
-            raise ConfigError(
-                "PYTHONHASHSEED is unset: vLLM < 0.29 then draws a random NONE_HASH per "
-                "process, so its block hashes are random and cannot be reproduced; set "
-                "PYTHONHASHSEED on the vLLM pods and the same value in blockKey.pythonHashSeed"
-            )
-        seed = DEFAULT_NONE_HASH_SEED
-    return hashlib.sha256(_serialize(settings.algo, seed)).digest()
+    return seed_none_hash(settings.algo, effective_seed(settings))
 
 
 def to_event_int(digest: bytes) -> int:
@@ -283,7 +293,7 @@ class BlockHasher:
                              ("lora_path", lora_path)):  # fmt: skip
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{label} must be a string, not {type(value).__name__}")
-        tagged = self.settings.vllm_version >= _TAGGED_KEYS_SINCE
+        tagged = tags_extra_keys(self.settings.vllm_version)
         lora = self._lora_keys(lora_name, lora_path, tagged)
         salt: list[object] = []
         if cache_salt:  # vLLM ignores a falsy salt

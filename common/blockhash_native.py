@@ -34,6 +34,11 @@ _ARGS = struct.Struct("=15Q")  # struct chain_args of _cbor_blocks.c, in native 
 IdWords = array | npt.NDArray[np.uint64]  # type: ignore[type-arg]
 
 
+def _block_cap(block_size: int, first_tail: bytes, tail: bytes) -> int:
+    """Bytes one block's preimage can take: the head, the longer tail, 9 per id at most."""
+    return _HEAD_MAX + max(len(first_tail), len(tail)) + 9 * block_size
+
+
 class Encoder:
     """``ci_block_preimages`` and, when hashlib's libcrypto exports SHA256_Init/Update/Final,
     ``ci_block_chain`` of one loaded library."""
@@ -72,7 +77,7 @@ class Encoder:
         if not isinstance(ids, array):
             ids = np.ascontiguousarray(ids, np.uint64)  # kept in ``ids`` until the call ends
         address = ids.buffer_info()[0] if isinstance(ids, array) else ids.ctypes.data
-        cap = _HEAD_MAX + max(len(first_tail), len(tail)) + 9 * block_size
+        cap = _block_cap(block_size, first_tail, tail)
         # one buffer: the packed arguments, the parent, the tails, the digests, the SHA-256
         # context, the block being hashed (every field starts on an 8-byte boundary)
         tails = len(first_tail) + len(tail)
@@ -130,7 +135,7 @@ class Encoder:
         if not blocks:
             return bytearray(), []
         ids = np.ascontiguousarray(ids, np.uint64)
-        cap = blocks * (_HEAD_MAX + max(len(first_tail), len(tail))) + 9 * blocks * block_size
+        cap = blocks * _block_cap(block_size, first_tail, tail)
         out = bytearray(cap)
         ends = array("Q", bytes(8 * blocks))
         buffer = (ctypes.c_char * cap).from_buffer(out)

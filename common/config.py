@@ -368,6 +368,12 @@ def _check_redis(r: Redis, problems: list[str]) -> None:
         problems.append("redis.tls: certFile and keyFile go together (client certificate)")
 
 
+def model_basename(name: str) -> str:
+    """What vllm-ascend writes as the model: ``Qwen/Qwen2.5-7B-Instruct`` → ``Qwen2.5-7B-Instruct``,
+    ``/data/models/x/`` → ``x`` (how a pinned model in ``ingest.l3.models`` is matched)."""
+    return name.rstrip("/").split("/")[-1]
+
+
 def _check_l3_keys(l3: IngestL3, problems: list[str]) -> None:
     formats = l3.key_formats
     if not formats:
@@ -379,7 +385,7 @@ def _check_l3_keys(l3: IngestL3, problems: list[str]) -> None:
     seen: set[str] = set()
     for i, model in enumerate(l3.models):
         where = f"ingest.l3.models[{i}]"
-        base = model.name.rstrip("/").split("/")[-1]
+        base = model_basename(model.name)
         if not base:
             problems.append(f"{where}.name: must be the model (the key's model field or --model)")
         elif base in seen:

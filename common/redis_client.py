@@ -33,6 +33,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from common.config import Redis as RedisConfig
+from common.lifecycle import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,13 @@ def connect(cfg: RedisConfig, *, retries: int = 1, stop: threading.Event | None 
     logger.info("state store: %s", describe(cfg))
     if not cfg.cluster:
         return redis.Redis.from_url(url, **options)
-    backoff = ExponentialWithJitterBackoff(cap=5.0, base=0.2)
+    backoff = Backoff(0.2, 5.0)
     waiter = stop or threading.Event()
     for attempt in range(1, CLUSTER_START_ATTEMPTS + 1):
         try:
             return _Cluster.from_url(url, **options)
         except (RedisClusterException, redis.RedisError) as exc:
-            if attempt == CLUSTER_START_ATTEMPTS or waiter.wait(backoff.compute(attempt)):
+            if attempt == CLUSTER_START_ATTEMPTS or waiter.wait(backoff.next_delay()):
                 raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from exc
             logger.warning("Redis Cluster not reachable yet (attempt %d): %s", attempt, exc)
     raise AssertionError("unreachable")
@@ -135,3 +136,13 @@ def describe(cfg: RedisConfig) -> str:
                                             or "@" in cfg.url else "none")
     return f"{'cluster' if cfg.cluster else 'redis'} {host} (tls {'on' if tls else 'off'}, " \
            f"auth {auth})"
+
+
+def text(value: Any) -> str:
+    """A reply value as text (replies are bytes unless the client decodes them)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def text_dict(raw: dict[Any, Any]) -> dict[str, str]:
+    """An HGETALL reply as text keys and values."""
+    return {text(k): text(v) for k, v in raw.items()}

@@ -30,6 +30,7 @@ from typing import Literal, cast
 
 from common.blockhash import HashSettings
 from common.config import (
+    KEY_FORMATS,
     Config,
     DiscoveryVLLM,
     L3Model,
@@ -141,7 +142,7 @@ class L3PollerSettings:
     scope: L3Scope = "segment"
     stale_after: float = 60.0
     batch_size: int = 200
-    key_formats: tuple[str, ...] = ("vllm", "vllm-ascend")
+    key_formats: tuple[str, ...] = KEY_FORMATS
     models: tuple[L3Model, ...] = ()
 
     @classmethod

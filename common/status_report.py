@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 
-from common.redis_client import Client
+from common.redis_client import Client, text, text_dict
 
 from common import keys
 
@@ -101,8 +101,8 @@ class StatusReader:
         replies = pipe.execute()
         (sec, usec), ips, urls, live = replies[:4]
         raw = Raw(int(sec) * 1000 + int(usec) // 1000,
-                  {_text(m): int(score) for m, score in live})  # fmt: skip
-        ips, urls = sorted(map(_text, ips)), sorted(map(_text, urls))
+                  {text(m): int(score) for m, score in live})  # fmt: skip
+        ips, urls = sorted(map(text, ips)), sorted(map(text, urls))
         self._collect(raw, self._ips, self._urls, replies[4:])
         new_ips = [ip for ip in ips if ip not in raw.instances]
         new_urls = [u for u in urls if u not in raw.masters]
@@ -132,13 +132,13 @@ class StatusReader:
         for i, ip in enumerate(ips):
             values = replies[i * n:(i + 1) * n]
             raw.instances[ip] = {
-                name: (_texts(v) if isinstance(v, dict) else v)
+                name: (text_dict(v) if isinstance(v, dict) else v)
                 for name, v in zip(_PER_IP, values, strict=True)
             }
             owner = raw.instances[ip]["owner"]
-            raw.instances[ip]["owner"] = None if owner is None else _text(owner)
+            raw.instances[ip]["owner"] = None if owner is None else text(owner)
         for j, url in enumerate(urls):
-            raw.masters[url] = _texts(replies[len(ips) * n + j])
+            raw.masters[url] = text_dict(replies[len(ips) * n + j])
 
 
 @dataclass(frozen=True)
@@ -241,11 +241,3 @@ def _int(value: str | None) -> int:
         return int(value or 0)
     except ValueError:
         return 0
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _texts(raw: dict[Any, Any]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from common import keys, store_lua
-from common.redis_client import Client
+from common.redis_client import Client, text, text_dict
 
 _WRITE_BYTES = 1 << 20
 """Bytes of packed commands built at a time for one pipelined read."""
@@ -65,10 +65,6 @@ class BatchStatus(StrEnum):
     """Refused: the instance is no longer the generation the writer follows."""
     NOT_OWNER = "not_owner"
     """Refused: another ingester holds the instance's lease."""
-
-    @property
-    def fenced(self) -> bool:
-        return self in (BatchStatus.STALE_GEN, BatchStatus.NOT_OWNER)
 
 
 class RegistryChange(StrEnum):
@@ -172,7 +168,7 @@ class Store:
         # next reconcile upserts or removes, never instance data that nothing lists.
         self.r.sadd(keys.INSTANCES, inst.ip)
         result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
-        return RegistryChange(_text(result)), int(gen)
+        return RegistryChange(text(result)), int(gen)
 
     def remove_instance(self, ip: str) -> bool:
         """Forget an instance and drop its L1/L2/L3 data (O(its own keys)); bumps its gen."""
@@ -181,18 +177,18 @@ class Store:
         return existed
 
     def instance_ips(self) -> set[str]:
-        return {_text(m) for m in self.r.smembers(keys.INSTANCES)}
+        return {text(m) for m in self.r.smembers(keys.INSTANCES)}
 
     def get_instance(self, ip: str) -> Instance | None:
         meta = self.r.hgetall(keys.instance_meta(ip))
-        return Instance.from_meta(ip, _text_dict(meta)) if meta else None
+        return Instance.from_meta(ip, text_dict(meta)) if meta else None
 
     def list_instances(self) -> list[Instance]:
         ips = sorted(self.instance_ips())
         pipe = self.r.pipeline(transaction=False)
         for ip in ips:
             pipe.hgetall(keys.instance_meta(ip))
-        return [Instance.from_meta(ip, _text_dict(m)) for ip, m in zip(ips, pipe.execute()) if m]
+        return [Instance.from_meta(ip, text_dict(m)) for ip, m in zip(ips, pipe.execute()) if m]
 
     def set_masters(self, masters: dict[str, str]) -> None:
         """Replace the Mooncake master registry: URL → JSON description."""
@@ -203,7 +199,7 @@ class Store:
         pipe.execute()
 
     def list_masters(self) -> dict[str, str]:
-        return _text_dict(self.r.hgetall(keys.MASTERS))
+        return text_dict(self.r.hgetall(keys.MASTERS))
 
     def set_master_state(self, url: str, state: dict[str, str]) -> None:
         """Write a master's poll status (``keys.master_state``; the L3 poller, every poll)."""
@@ -213,7 +209,7 @@ class Store:
         self.r.delete(keys.master_state(url))
 
     def get_master_state(self, url: str) -> dict[str, str]:
-        return _text_dict(self.r.hgetall(keys.master_state(url)))
+        return text_dict(self.r.hgetall(keys.master_state(url)))
 
     # -- leases -----------------------------------------------------------------------
 
@@ -240,7 +236,7 @@ class Store:
     def heartbeat_ingester(self, ingester_id: str, ttl_ms: int) -> list[str]:
         """Record this ingester as alive; return the ids of all live ingesters, sorted."""
         live = self._heartbeat(keys=[keys.INGESTERS], args=[ingester_id, int(ttl_ms)])
-        return sorted(_text(m) for m in live)
+        return sorted(text(m) for m in live)
 
     def leave_ingesters(self, ingester_id: str) -> None:
         self.r.zrem(keys.INGESTERS, ingester_id)
@@ -281,7 +277,7 @@ class Store:
         return None if value is None else int(value)
 
     def l1_state(self, ip: str) -> dict[str, str]:
-        return _text_dict(self.r.hgetall(keys.l1_state(ip)))
+        return text_dict(self.r.hgetall(keys.l1_state(ip)))
 
     def tier_members(self, ip: str, tier: str = "l1") -> set[int]:
         return {int(m) for m in self.r.smembers(keys.tier_set(ip, tier))}
@@ -296,7 +292,7 @@ class Store:
         pipe.smembers(keys.tier_set(ip, tier))
         pipe.hgetall(keys.tier_copies(ip, tier))
         members, copies = pipe.execute()
-        extra = {int(k): [int(c) for c in _text(v).split(",")] for k, v in copies.items()}
+        extra = {int(k): [int(c) for c in text(v).split(",")] for k, v in copies.items()}
         return {int(m): extra.get(int(m), [1]) for m in members}
 
     # -- L3 ---------------------------------------------------------------------------
@@ -336,7 +332,7 @@ class Store:
         return {int(m) for m in self.r.smembers(keys.l3_set(ip))}
 
     def l3_state(self, ip: str) -> dict[str, str]:
-        return _text_dict(self.r.hgetall(keys.l3_state(ip)))
+        return text_dict(self.r.hgetall(keys.l3_state(ip)))
 
     # -- API hot path -----------------------------------------------------------------
 
@@ -406,11 +402,3 @@ def _run_length(flags: list[int]) -> int:
         return flags.index(0)
     except ValueError:
         return len(flags)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _text_dict(raw: dict[Any, Any]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}

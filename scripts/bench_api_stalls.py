@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_api import BLOCK, Servers, _free_port, _pct, _prompt, _wait
+from bench_api import BLOCK, Servers, _pct, _prompt
+from bench_util import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = {"stock gthread": "gthread", "API worker": "services.api.worker.DeadlineWorker"}
@@ -79,13 +80,13 @@ def main() -> int:
         env = {**servers.env, "CACHE_INDEXER_CONFIG": str(config)}
         ports = {}
         for name, worker in WORKERS.items():
-            ports[name] = _free_port()
+            ports[name] = free_port()
             servers._start([sys.executable, "-m", "gunicorn", "-w", "2", "--threads", "4",
                             "-k", worker, "--log-level", "warning",
                             "--bind", f"127.0.0.1:{ports[name]}",
                             "services.api.app:get_app()"], env)
-            _wait(lambda p=ports[name]: httpx.get(f"http://127.0.0.1:{p}/healthz")
-                  .status_code == 200, name)
+            wait_for(lambda p=ports[name]: httpx.get(f"http://127.0.0.1:{p}/healthz")
+                     .status_code == 200, name, 30, tolerate=(httpx.HTTPError,))
         print(f"{os.cpu_count()} CPUs shared by client, servers and Redis; block {BLOCK}\n")
         print("| worker | stalled connections | p50 ms | p99 ms | timed out (5 s) |")
         print("|---|---:|---:|---:|---:|")

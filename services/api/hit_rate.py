@@ -221,6 +221,14 @@ def error_document(status: int, message: str) -> bytes:
     return orjson.dumps({"server_score_list": [], "message": message, "status": status})
 
 
+def error_body(path: str, status: int, message: str) -> bytes:
+    """The JSON of an error answer on ``path``: the contract's document on the hit-rate
+    path, ``{"message", "status"}`` on every other."""
+    if path == PATH:
+        return error_document(status, message)
+    return orjson.dumps({"message": message, "status": status})
+
+
 class HitRateResource:
     """``/kv-cache/hit-rate``; other methods are refused by :class:`PostOnly`."""
 

@@ -18,6 +18,7 @@ import redis
 
 from common.status_report import STATES, HashCheck, Limits, StatusReader, build_report
 from services.api.api_metrics import ApiMetrics
+from services.api.hit_rate import error_body
 
 if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily
@@ -39,8 +40,7 @@ class InstancesResource:
             self.metrics.redis_errors.inc(op="instances")
             logger.warning("cannot read the instances' status: %s", exc)
             resp.status = falcon.HTTP_500
-            resp.data = orjson.dumps(
-                {"message": "the state store is unreachable", "status": 500})
+            resp.data = error_body(req.path, 500, "the state store is unreachable")
             return
         resp.data = orjson.dumps(build_report(raw, self.limits))
 

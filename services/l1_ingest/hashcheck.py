@@ -43,10 +43,11 @@ from common.blockhash import (
     ExtraKeys,
     HashSettings,
     chain_digests,
+    effective_seed,
     seed_none_hash,
+    tags_extra_keys,
     to_event_int,
 )
-from common.errors import ConfigError
 from common.events import BlockStored, Event, hash_to_int
 from common.lifecycle import StateLog
 from common.status_report import HashCheck
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 OK, MISMATCH, UNCHECKED = HashCheck.OK, HashCheck.MISMATCH, HashCheck.UNCHECKED
 UNTAGGED, TAGGED = "untagged", "tagged"
-_TAGGED_SINCE = (0, 31, 0)
 VERIFIED_MAX = 4096
 """Verified digests kept per instance (parents that later events may chain from)."""
 SEARCH_INTERVAL = 300.0
@@ -141,13 +141,8 @@ def _none_hash(algo: str, seed: str) -> bytes:
 
 def expected_candidate(settings: HashSettings) -> Candidate:
     """How the config says the engine hashes (raises ConfigError for an unset seed < 0.29)."""
-    seed = settings.seed
-    if seed is None:
-        if settings.vllm_version < (0, 29, 0):
-            raise ConfigError("PYTHONHASHSEED is unset and vLLM < 0.29 hashes randomly")
-        seed = DEFAULT_NONE_HASH_SEED
-    rule = TAGGED if settings.vllm_version >= _TAGGED_SINCE else UNTAGGED
-    return Candidate(seed, settings.algo, rule)
+    rule = TAGGED if tags_extra_keys(settings.vllm_version) else UNTAGGED
+    return Candidate(effective_seed(settings), settings.algo, rule)
 
 
 class HashChecker:

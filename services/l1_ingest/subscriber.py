@@ -252,9 +252,12 @@ class Subscriber:
     def _write_status(self) -> None:
         """Write the status of every wanted instance (one pipeline, see ``status``)."""
         self._status_due = time.monotonic() + min(STATUS_INTERVAL, self.cfg.heartbeat_interval)
+        by_ip: dict[str, list[_Conn]] = {}
+        for (ip, _), c in self._conns.items():
+            by_ip.setdefault(ip, []).append(c)
         rounds = []
         for ip, inst in self._wanted.items():
-            ranks = [c for (i, _), c in self._conns.items() if i == ip]
+            ranks = by_ip.get(ip)
             if ip in self._active and ranks:
                 conn = worst([c.state.state or ConnState.CONNECTING for c in ranks])
                 replaying = any(c.stream.replay is not None for c in ranks)

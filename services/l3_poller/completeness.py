@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from common.config import model_basename
 from services.l3_poller.keys_parser import AnyNamespace, AscendNamespace
 
 
@@ -31,12 +32,6 @@ class ModelPin:
     heads: int = 0
     pp_ranks: int = 0
     layers: int = 0
-
-
-def model_basename(name: str) -> str:
-    """What vllm-ascend writes as the model: ``Qwen/Qwen2.5-7B-Instruct`` → ``Qwen2.5-7B-Instruct``,
-    ``/data/models/x/`` → ``x``."""
-    return name.rstrip("/").split("/")[-1]
 
 
 @dataclass

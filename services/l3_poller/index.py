@@ -42,6 +42,7 @@ from services.l3_poller.keys_parser import (
     AnyNamespace,
     is_url_safe,
     parse_prefix,
+    split_layer_tail,
 )
 from services.l3_poller.segments import SegmentMap, canonical_ip
 
@@ -164,9 +165,10 @@ class MasterIndex:
 
     def _layer_key(self, prefix: bytes, layer: bytes) -> tuple[int, bytes]:
         """(namespace id or -1, hash hex) of a key whose tail is not a hash."""
-        head, _, hexpart = prefix.rpartition(b"@")
-        if not layer.isdigit() or HASH_HEX.fullmatch(hexpart) is None:
+        layered = split_layer_tail(prefix, layer)
+        if layered is None:
             return -1, b""
+        head, hexpart = layered
         ns = self._prefix_ns.get((head, layer))
         return (self._intern_prefix(head, layer) if ns is None else ns), hexpart
 

@@ -28,9 +28,10 @@ after the last ``@`` is the decimal layer id, not the hash.
 hashes of hybrid models); the integer vLLM's KV events and this project's API use is its
 low 64 bits, ``int(hex[-16:], 16)``.
 
-Pure functions, no I/O. The poller's hot path is :func:`split_key` (bytes in, no regex
-unless the prefix is new, inlined in :meth:`MasterIndex.feed`) plus :func:`parse_prefix`
-once per distinct (prefix, layer tail).
+Pure functions, no I/O. The poller's hot path is :func:`split_key`'s first branch, inlined
+in :meth:`MasterIndex.feed` (bytes in, no regex unless the prefix is new), which calls
+:func:`split_layer_tail` for the rest, plus :func:`parse_prefix` once per distinct
+(prefix, layer tail).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from common.config import KEY_FORMATS
+
 U64_MASK = (1 << 64) - 1
-FAMILIES = ("vllm", "vllm-ascend")
+FAMILIES = KEY_FORMATS
 """Key families, as ``ingest.l3.keyFormats`` names them."""
 
 _RANKS = r"@tp_rank:(\d+)@pcp(\d+)@dcp(\d+)@pp_rank:(\d+)(?:@group:(\d+))?"
@@ -176,9 +179,16 @@ def split_key(key: bytes) -> tuple[bytes, bytes, int] | None:
         return None
     if HASH_HEX.fullmatch(tail) is not None:
         return prefix, b"", int(tail[-16:], 16)
+    layered = split_layer_tail(prefix, tail)
+    return None if layered is None else (layered[0], tail, int(layered[1][-16:], 16))
+
+
+def split_layer_tail(prefix: bytes, layer: bytes) -> tuple[bytes, bytes] | None:
+    """A key whose last ``@`` field (``layer``) is not a hash: (head, hash hex) when it is
+    the old layer-wise ``<head>@<hex>@<layer>``, else ``None``."""
     head, sep, hexpart = prefix.rpartition(b"@")
-    if sep and head and tail.isdigit() and HASH_HEX.fullmatch(hexpart) is not None:
-        return head, tail, int(hexpart[-16:], 16)
+    if sep and head and layer.isdigit() and HASH_HEX.fullmatch(hexpart) is not None:
+        return head, hexpart
     return None
 
 

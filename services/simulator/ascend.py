@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.config import model_basename
 from common.events import BlockStored, Event, hash_to_int
 
 DEFAULT_VLLM = "0.18.0"
@@ -51,7 +52,7 @@ def ascend_store_key(model: str, head: int, digest_hex: str, *, form: str = "A",
                      layer: int = 0) -> str:
     """One AscendStoreConnector key (pcp0/dcp0; group 0 ``kv``/``default`` where the layout
     has groups); ``model`` is the basename of ``--model``."""
-    base = f"{model.rstrip('/').split('/')[-1]}@pcp0@dcp0@head_or_tp_rank:{head}"
+    base = f"{model_basename(model)}@pcp0@dcp0@head_or_tp_rank:{head}"
     group = "@group:0@cache_role:kv@cache_family:default"
     if form == "A":
         return f"{base}@pp_rank:{pp}@{digest_hex}"

@@ -94,17 +94,16 @@ def main(argv: list[str]) -> int:
     logger.info("simulating %s (vLLM %s) on %s (ranks %s, replay %s)", args.engine,
                 args.vllm_version, args.endpoint, ranks, args.replay_endpoint or "none")
     try:
-        _run(args, sim, workload, stop)
-        sim.flush()
-        if args.state_file:
-            sim.write_state(args.state_file, finished=True)
+        try:
+            _run(args, sim, workload, stop)
+        finally:  # the truth as of the last batch, also when stopped or failing
+            sim.flush()
+            if args.state_file:
+                sim.write_state(args.state_file, finished=True)
         if args.linger > 0 and not stop.is_set():
             logger.info("run over; serving replay for %gs", args.linger)
             stop.wait(args.linger)
     finally:
-        sim.flush()
-        if args.state_file:
-            sim.write_state(args.state_file, finished=True)
         sim.close()
     return 0
 

@@ -20,6 +20,7 @@ import redis
 
 from common.config import config_path_from, load_config
 from common.errors import ConfigError
+from common import shell
 from common.redis_client import Client, connect, describe
 from common.settings import instance_limits
 from common.status_report import HashCheck, InstanceState, StatusReader, build_report
@@ -32,9 +33,11 @@ _INSTANCE_COLS = ("SERVER_IP", "POD", "L1_STATE", "L1_BLOCKS", "HASH_CHECK", "LA
 _MASTER_COLS = ("MASTER", "KEYS", "UNPARSED", "SAMPLE_UNPARSED", "AGE", "STALE", "ERROR")
 
 
+_PROG = "cache-indexer inspect"
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cache-indexer inspect", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="config file (default: $CACHE_INDEXER_CONFIG)")
+    p = shell.parser(_PROG, __doc__.split("\n")[0], metrics_port=False)
     p.add_argument("--json", action="store_true", help="print the JSON document instead")
     return p.parse_args(argv)
 
@@ -45,14 +48,13 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     try:
         cfg = load_config(config_path_from(args.config))
     except ConfigError as exc:
-        print(f"cache-indexer inspect: {exc}", file=sys.stderr)
-        return 2
+        return shell.config_failure(_PROG, exc).code
     client: Client | None = None
     try:  # the one Redis client factory: AUTH, TLS and cluster as configured
         client = connect(cfg.redis, retries=1)
         report = build_report(StatusReader(client).read(), instance_limits(cfg))
     except redis.RedisError as exc:
-        print(f"cache-indexer inspect: cannot read Redis at {describe(cfg.redis)}: {exc}",
+        print(f"{_PROG}: cannot read Redis at {describe(cfg.redis)}: {exc}",
               file=sys.stderr)
         return 1
     finally:

@@ -193,10 +193,14 @@ def test_metrics_are_summed_over_workers(api: Api) -> None:
     n = len(served_by)
     wait_for(lambda: _healthz_405s(api) == n, timeout=10, what=f"the metrics to count {n} 405s")
     scrapers = set()
-    while len(scrapers) < 2:  # whichever worker answers the scrape sees every worker's counts
+
+    def both_workers_scraped() -> bool:  # whichever worker answers sees every worker's counts
         resp = httpx.get(f"{api.url}/metrics")
         scrapers.add(resp.headers["x-served-by"])
         assert _healthz_405s(api) == n
+        return len(scrapers) == 2
+
+    wait_for(both_workers_scraped, timeout=60, interval=0, what="both workers to scrape")
     text = httpx.get(f"{api.url}/metrics").text
     assert "cache_indexer_api_request_duration_seconds_bucket" in text
 

@@ -111,7 +111,8 @@ def test_right_config_is_ok_and_synced(
     inst = wait_check(redis_client, ip, "ok", sim, salted=True)
     assert inst["l1"]["state"] == "synced" and inst["l1"]["hash_check_mismatch"] == 0
     assert inst["l1"]["hash_check_ok"] > 0 and inst["l1"]["blocks"] > 0
-    assert inst["l1"]["ingester"] == "in-process" and inst["l1"]["last_event_age_s"] < 5
+    assert inst["l1"]["ingester"] == "in-process"
+    assert 0 <= inst["l1"]["last_event_age_s"] < 60  # seconds, not ms (a unit check, no timing)
     assert ing.count("hash_checks", result="mismatch") == 0
 
 

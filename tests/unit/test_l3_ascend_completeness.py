@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from services.l3_poller.completeness import ModelPin, model_basename, pins_by_model
+from common.config import model_basename
+from services.l3_poller.completeness import ModelPin, pins_by_model
 from services.l3_poller.index import MasterIndex, SegmentMap
 from services.l3_poller.keys_parser import AscendNamespace, parse_any
 from tests.conftest import DATA

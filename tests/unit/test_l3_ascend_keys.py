@@ -17,6 +17,7 @@ from services.l3_poller.keys_parser import (
     parse_prefix,
     split_key,
 )
+from services.l3_poller.index import MasterIndex
 from tests.conftest import DATA
 
 GOLDEN = json.loads((DATA / "ascend" / "golden_keys.json").read_text())
@@ -60,6 +61,21 @@ def test_every_golden_key_parses_to_its_fields(version: str, name: str,
     for key in checked + [e["key"] for e in cfg["distinct_keys_all_ranks"]]:
         assert parse_any(key) is not None, key
     assert n > 0
+
+
+@pytest.mark.parametrize(("version", "name", "cfg"), list(configs()),
+                         ids=[f"{v}-{n}" for v, n, _ in configs()])
+def test_the_pollers_inlined_parse_agrees_on_every_golden_key(version: str, name: str,
+                                                             cfg: dict[str, Any]) -> None:
+    """MasterIndex.feed inlines split_key for speed: it must give parse_any's answer."""
+    keys = {e["key"] for rank in cfg["ranks"] for e in rank["key_namespace"]}
+    index = MasterIndex()
+    fed = dict(index.feed(k.encode() for k in keys))
+    assert set(fed) == {k.encode() for k in keys} and index.stats.parsed == len(keys)
+    for key in keys:
+        ns, u64 = parse_any(key)  # type: ignore[misc]
+        ck = fed[key.encode()]
+        assert (index._ns_info[ck >> 64], ck & ((1 << 64) - 1)) == (ns, u64), key
 
 
 def test_the_spec_examples() -> None:

@@ -139,12 +139,13 @@ def test_new_pod_on_reused_ip_starts_empty(store: Store) -> None:
 
 def test_container_restart_drops_l1_but_keeps_l3(store: Store) -> None:
     gen = _register(store, restarts="0")
-    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1])))
+    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [1, 1])))
     store.replace_l3(IP, [3])
+    assert store.r.exists(keys.tier_copies(IP, "l1"))  # two copies of 1
     result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1"))
     assert result == "restarted" and new_gen > gen
     assert store.tier_members(IP) == set()
-    assert not store.r.exists(keys.tier_rank_counts(IP, 0, "l1")), "per-rank copies dropped"
+    assert not store.r.exists(keys.tier_copies(IP, "l1")), "copy counts dropped"
     assert store.l3_members(IP) == {3}
 
 
@@ -351,14 +352,17 @@ def test_generation_never_goes_back_when_the_server_clock_does(store: Store) -> 
 
 
 def test_removed_copies_leave_no_per_rank_entries(store: Store) -> None:
-    """A hash whose copies a rank removed is gone from that rank's count hash too (no
-    zero entries piling up for the life of the pod)."""
+    """A hash whose copies were removed is gone from the sparse copy counts too (no zero
+    entries piling up for the life of the pod), on rank 0 and on another rank."""
     gen = _register(store)
     store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 7, 8]), ("S", "l2", [9])))
+    store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [8]), ("S", "l2", [9])))
+    assert store.r.exists(keys.tier_copies(IP, "l1"), keys.tier_copies(IP, "l2")) == 2
     store.apply_batch(IP, gen, 0, 1, _ops(("R", "l1", [7, 8, 7]), ("R", "l2", [9])))
+    store.apply_batch(IP, gen, 1, 1, _ops(("R", "l1", [8]), ("R", "l2", [9])))
     for tier in ("l1", "l2"):
-        assert not store.r.exists(keys.tier_rank_counts(IP, 0, tier)), tier
-        assert not store.r.exists(keys.tier_counts(IP, tier)), tier
+        assert store.tier_members(IP, tier) == set(), tier
+        assert not store.r.exists(keys.tier_copies(IP, tier)), tier
 
 
 def test_renewing_a_lease_extends_it_and_only_its_holder_releases_it(store: Store) -> None:
