@@ -27,12 +27,15 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:{ip}:l1                   | SET    | L1 ingester       | API (SMISMEMBER)         | GPU block hashes with ≥1 copy on any DP rank |
 | ci:{ip}:l1:copies            | HASH   | L1 ingester       | tools                    | sparse: hash → per-rank copies "c0,c1,…" only when not exactly one copy on rank 0 |
 | ci:{ip}:l2 (…:copies)        | as l1  | L1 ingester       | tools                    | same, for non-GPU media in the event stream (CPU / STORAGE offload) |
+| ci:{ip}:l1:g<g> (…:copies)   | as l1  | L1 ingester       | API (SMISMEMBER)         | KV-cache group g ≥ 1 of a hybrid model (group 0 is ci:{ip}:l1); same for l2 |
+| ci:{ip}:l1:groups            | HASH   | L1 ingester       | API, tools               | per generation: field <g> → "kind,B,w,bmin" as learned from BlockStored (kind "-" if not sent, w empty if none, B the largest and bmin the smallest block size seen); h_cfg, chunk, dp from the ingester's config; exists whenever an l1/l2 set does |
 | ci:{ip}:l1:cnt, …:l1:r<rank> | HASH   | (legacy layout)   | –                        | before the copies hash; found by the scripts, dropped, instance re-synced |
 | ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, API, tools  | seq:<rank> last applied sequence; gap:<rank> unrecoverable gaps; ingester status: ingester, status_ms, subscribed_ms, last_event_ms, conn, conn_detail, replaying, hash_check, hash_check_ok, hash_check_mismatch, hash_check_detail |
 | ci:{ip}:l1:owner             | STRING | L1 ingester       | store scripts, API       | lease (PX): id of the ingester that may write this instance |
 | ci:{ip}:l3                   | SET    | L3 poller         | API (SMISMEMBER)         | block hashes held in Mooncake, replaced whole per poll |
 | ci:{ip}:l3:new               | SET    | L3 poller         | –                        | staging for the next ``ci:{ip}:l3``; renamed over it |
-| ci:{ip}:l3:state             | HASH   | L3 poller         | API, tools               | master, updated_ms, blocks, stale |
+| ci:{ip}:l3:g<g> (…:new)      | SET    | L3 poller         | API (SMISMEMBER)         | KV-cache group g ≥ 1 in Mooncake (and its staging); the groups present are the l3 state's ``groups`` |
+| ci:{ip}:l3:state             | HASH   | L3 poller         | API, tools               | master, updated_ms, blocks, stale, groups (ids of the group sets, "0,1") |
 | ci:masters                   | HASH   | discovery         | L3 poller, API           | master URL → JSON (pod, ip, rpc) |
 | ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: keys, keys_unparsed, sample_unparsed, blocks, updated_ms, stale, error |
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
@@ -72,6 +75,30 @@ def tier_copies(ip: str, tier: str = "l1") -> str:
     return f"{_tag(ip)}:{tier}:copies"
 
 
+GROUP_SUFFIX = ":g"
+"""What follows a tier's set key for group g >= 1 (``ci:{ip}:l1:g2``); the Lua scripts of
+:mod:`common.store_lua` append it to the group-0 key they get in KEYS (checked by a test)."""
+
+
+def tier_group_set(ip: str, tier: str, group: int) -> str:
+    """The set of KV-cache group ``group`` of an event-fed tier (group 0 = :func:`tier_set`)."""
+    base = tier_set(ip, tier)
+    return base if group == 0 else f"{base}{GROUP_SUFFIX}{int(group)}"
+
+
+def tier_group_copies(ip: str, tier: str, group: int) -> str:
+    """Copies of KV-cache group ``group`` (group 0 = :func:`tier_copies`)."""
+    if group == 0:
+        return tier_copies(ip, tier)
+    return f"{tier_group_set(ip, tier, group)}:copies"
+
+
+def l1_groups(ip: str) -> str:
+    """Descriptors of the instance's KV-cache groups (kind, block size, window) and its hash
+    unit settings, learned from the events; shared by tiers l1, l2 and l3."""
+    return f"{_tag(ip)}:l1:groups"
+
+
 def tier_counts(ip: str, tier: str = "l1") -> str:
     """Legacy layout (copies over all ranks); only dropped now."""
     return f"{_tag(ip)}:{tier}:cnt"
@@ -96,6 +123,15 @@ def l3_set(ip: str) -> str:
 
 def l3_staging(ip: str) -> str:
     return f"{_tag(ip)}:l3:new"
+
+
+def l3_group_set(ip: str, group: int) -> str:
+    """Mooncake blocks of KV-cache group ``group`` (group 0 = :func:`l3_set`)."""
+    return l3_set(ip) if group == 0 else f"{l3_set(ip)}{GROUP_SUFFIX}{int(group)}"
+
+
+def l3_group_staging(ip: str, group: int) -> str:
+    return l3_staging(ip) if group == 0 else f"{l3_group_set(ip, group)}:new"
 
 
 def l3_state(ip: str) -> str:

@@ -8,7 +8,7 @@ per :class:`Store`. Reads on the API's hot path are one non-transactional pipeli
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -65,6 +65,9 @@ class BatchStatus(StrEnum):
     """Refused: the instance is no longer the generation the writer follows."""
     NOT_OWNER = "not_owner"
     """Refused: another ingester holds the instance's lease."""
+    GROUPS_CHANGED = "groups_changed"
+    """Refused: a KV-cache group's kind or window changed; the store reset the instance (new
+    generation, ``reset_reason`` in its state hash) and the ingester re-syncs it."""
 
 
 class RegistryChange(StrEnum):
@@ -90,26 +93,42 @@ class ApplyResult:
     cleared: int = 0
 
 
+Op = tuple[str, str, int, list[Any]]
+"""One write of a batch: (op, tier, KV-cache group, values); see ``APPLY_BATCH``."""
+
+
 @dataclass
 class TierOps:
-    """The writes of one ZMQ batch for one rank, in event order: (op, tier, hashes)."""
+    """The writes of one ZMQ batch for one rank, in event order: (op, tier, group, values).
 
-    ops: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    ``describe`` records a group's descriptor as a ``BlockStored`` carries it and ``settings``
+    the ingester's per-instance settings; the store checks and writes both before any hash.
+    """
 
-    def store(self, tier: str, hashes: Iterable[int]) -> None:
-        self.ops.append(("S", tier, list(hashes)))
+    ops: list[Op] = field(default_factory=list)
 
-    def remove(self, tier: str, hashes: Iterable[int]) -> None:
-        self.ops.append(("R", tier, list(hashes)))
+    def store(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
+        self.ops.append(("S", tier, group, list(hashes)))
+
+    def remove(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
+        self.ops.append(("R", tier, group, list(hashes)))
 
     def clear(self, tier: str) -> None:
-        self.ops.append(("C", tier, []))
+        self.ops.append(("C", tier, 0, []))
+
+    def describe(self, group: int, kind: str | None, block_size: int,
+                 window: int | None) -> None:
+        self.ops.append(("D", "", group, [kind or "-", int(block_size),
+                                           "" if window is None else int(window)]))
+
+    def settings(self, hash_unit: int, chunk: int, dp_size: int) -> None:
+        self.ops.append(("H", "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
 
     def argv(self) -> list[str | int]:
         out: list[str | int] = []
-        for op, tier, hashes in self.ops:
-            out += [op, tier, len(hashes)]
-            out += hashes
+        for op, tier, group, values in self.ops:
+            out += [op, tier, group, len(values)]
+            out += values
         return out
 
 
@@ -125,7 +144,7 @@ class L1Status:
 
 
 _STATUS = {1: BatchStatus.APPLIED, 0: BatchStatus.DUPLICATE, -1: BatchStatus.STALE_GEN,
-           -2: BatchStatus.NOT_OWNER}
+           -2: BatchStatus.NOT_OWNER, -3: BatchStatus.GROUPS_CHANGED}
 
 
 def _instance_keys(ip: str) -> list[str]:
@@ -135,6 +154,7 @@ def _instance_keys(ip: str) -> list[str]:
         keys.tier_set(ip, "l2"), keys.tier_copies(ip, "l2"),
         keys.l3_set(ip), keys.l3_staging(ip), keys.l3_state(ip),
         keys.tier_counts(ip, "l1"), keys.tier_counts(ip, "l2"),  # legacy layout, dropped
+        keys.l1_groups(ip),
     ]
 
 
@@ -279,18 +299,23 @@ class Store:
     def l1_state(self, ip: str) -> dict[str, str]:
         return text_dict(self.r.hgetall(keys.l1_state(ip)))
 
-    def tier_members(self, ip: str, tier: str = "l1") -> set[int]:
-        return {int(m) for m in self.r.smembers(keys.tier_set(ip, tier))}
+    def groups(self, ip: str) -> dict[str, str]:
+        """The instance's group descriptors and hash-unit settings (``keys.l1_groups``)."""
+        return text_dict(self.r.hgetall(keys.l1_groups(ip)))
 
-    def tier_counts(self, ip: str, tier: str = "l1") -> dict[int, int]:
+    def tier_members(self, ip: str, tier: str = "l1", group: int = 0) -> set[int]:
+        return {int(m) for m in self.r.smembers(keys.tier_group_set(ip, tier, group))}
+
+    def tier_counts(self, ip: str, tier: str = "l1", group: int = 0) -> dict[int, int]:
         """hash → copies over all DP ranks (a member without a copies field has one)."""
-        return {h: sum(c) for h, c in self.tier_rank_copies(ip, tier).items()}
+        return {h: sum(c) for h, c in self.tier_rank_copies(ip, tier, group).items()}
 
-    def tier_rank_copies(self, ip: str, tier: str = "l1") -> dict[int, list[int]]:
+    def tier_rank_copies(self, ip: str, tier: str = "l1",
+                         group: int = 0) -> dict[int, list[int]]:
         """hash → copies per DP rank from rank 0 on (trailing zeros trimmed)."""
         pipe = self.r.pipeline(transaction=True)  # one slot: a consistent snapshot
-        pipe.smembers(keys.tier_set(ip, tier))
-        pipe.hgetall(keys.tier_copies(ip, tier))
+        pipe.smembers(keys.tier_group_set(ip, tier, group))
+        pipe.hgetall(keys.tier_group_copies(ip, tier, group))
         members, copies = pipe.execute()
         extra = {int(k): [int(c) for c in text(v).split(",")] for k, v in copies.items()}
         return {int(m): extra.get(int(m), [1]) for m in members}
@@ -298,25 +323,32 @@ class Store:
     # -- L3 ---------------------------------------------------------------------------
 
     def replace_l3(
-        self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None,
-        gen: int | None = None,
+        self, ip: str, hashes: Iterable[int] | Mapping[int, Iterable[int]],
+        state: dict[str, str] | None = None, gen: int | None = None,
     ) -> bool:
-        """Atomically replace the instance's L3 set. False, and nothing written, if the
-        instance is not registered or (with ``gen``) is no longer that generation: data
-        computed for a pod never lands on the new pod that took over its IP."""
-        staging = keys.l3_staging(ip)
+        """Atomically replace the instance's L3 sets. ``hashes`` is group 0's blocks, or a
+        mapping KV-cache group → its blocks (groups not in it are deleted; the l3 state's
+        ``groups`` lists those written). False, and nothing written, if the instance is not
+        registered or (with ``gen``) is no longer that generation: data computed for a pod
+        never lands on the new pod that took over its IP."""
+        by_group = dict(hashes) if isinstance(hashes, Mapping) else {0: hashes}
+        if not by_group:
+            by_group = {0: ()}
         pipe = self.r.pipeline(transaction=False)
-        pipe.delete(staging)
-        chunk: list[int] = []
-        for h in hashes:
-            chunk.append(h)
-            if len(chunk) >= L3_CHUNK:
+        for group in sorted(by_group):
+            staging = keys.l3_group_staging(ip, group)
+            pipe.delete(staging)
+            chunk: list[int] = []
+            for h in by_group[group]:
+                chunk.append(h)
+                if len(chunk) >= L3_CHUNK:
+                    pipe.sadd(staging, *chunk)
+                    chunk = []
+            if chunk:
                 pipe.sadd(staging, *chunk)
-                chunk = []
-        if chunk:
-            pipe.sadd(staging, *chunk)
         pipe.execute()
-        argv: list[Any] = [*_rank_prefixes(ip), "" if gen is None else int(gen)]
+        argv: list[Any] = [*_rank_prefixes(ip), "" if gen is None else int(gen),
+                           ",".join(str(int(g)) for g in sorted(by_group))]
         for k, v in (state or {}).items():
             argv += [k, v]
         return bool(self._replace_l3(keys=_instance_keys(ip), args=argv))
@@ -328,8 +360,8 @@ class Store:
             argv += [k, v]
         return bool(state) and bool(self._touch_l3(keys=_instance_keys(ip), args=argv))
 
-    def l3_members(self, ip: str) -> set[int]:
-        return {int(m) for m in self.r.smembers(keys.l3_set(ip))}
+    def l3_members(self, ip: str, group: int = 0) -> set[int]:
+        return {int(m) for m in self.r.smembers(keys.l3_group_set(ip, group))}
 
     def l3_state(self, ip: str) -> dict[str, str]:
         return text_dict(self.r.hgetall(keys.l3_state(ip)))
@@ -337,51 +369,45 @@ class Store:
     # -- API hot path -----------------------------------------------------------------
 
     def prefix_lengths(self, ips: Sequence[str], members: Sequence[bytes]) -> list[tuple[int, int]]:
-        """For each ip, the longest run from block 0 of ``members`` held in L1 and in L3.
-
-        One pipelined round trip: SMISMEMBER on both tiers of every distinct candidate.
-        """
+        """For each ip, the longest run from block 0 of ``members`` held in L1 and in L3
+        (group 0). One pipelined round trip: SMISMEMBER on both tiers of every distinct
+        candidate."""
         if not members:
             return [(0, 0)] * len(ips)
         distinct = list(dict.fromkeys(ips))
-        names = [name for ip in distinct for name in (keys.tier_set(ip, "l1"), keys.l3_set(ip))]
-        replies = self._smismember_each(names, members)
+        reads = Reads()
+        blob = reads.members(members)
+        for ip in distinct:
+            reads.smismember(keys.tier_set(ip, "l1"), blob)
+            reads.smismember(keys.l3_set(ip), blob)
+        replies = self.execute(reads)
         by_ip = {
             ip: (_run_length(replies[2 * i]), _run_length(replies[2 * i + 1]))
             for i, ip in enumerate(distinct)
         }
         return [by_ip[ip] for ip in ips]
 
-    def _smismember_each(self, names: Sequence[str],
-                         members: Sequence[bytes]) -> list[list[int]]:
-        """``SMISMEMBER name *members`` for every name, written as one packed pipeline.
+    def execute(self, reads: Reads) -> list[Any]:
+        """Send every queued read in one pipelined round trip; replies in queue order
+        (HGETALL as a ``dict[str, str]``, HGET as ``str | None``, SMISMEMBER as 0/1 ints).
 
         redis-py's pipeline costs tens of microseconds of Python per command, more than the
-        whole request of a short prompt; the members are encoded once here and the commands
-        written in pieces of about 1 MiB, all before the first reply is read. One retry on a
+        whole request of a short prompt; so on a single server the commands are written as
+        packed RESP in pieces of about 1 MiB, each SMISMEMBER's members encoded once per
+        request (:meth:`Reads.members`), all before the first reply is read. One retry on a
         broken connection (a pooled socket gone stale across a Redis restart), as the
-        client's own ``Retry`` would do.
+        client's own ``Retry`` would do. A cluster goes through its pipeline (routed by slot).
         """
-        if not isinstance(self.r, redis.Redis):  # a cluster: its pipeline routes by slot
-            pipe: Any = self.r.pipeline(transaction=False)  # type: ignore[no-untyped-call]
-            for name in names:
-                pipe.smismember(name, list(members))
-            return list(pipe.execute())
-        blob = b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
-        head = b"*%d\r\n$10\r\nSMISMEMBER\r\n" % (len(members) + 2)
-        keys_ = [name.encode() for name in names]
-        per_write = max(1, _WRITE_BYTES // len(blob))  # bounded memory for long prompts
-
-        def payload() -> Iterator[bytes]:
-            for i in range(0, len(keys_), per_write):
-                yield b"".join([head + b"$%d\r\n%b\r\n" % (len(k), k) + blob
-                                for k in keys_[i:i + per_write]])
+        if not reads.cmds:
+            return []
+        if not isinstance(self.r, redis.Redis):
+            return _normalise(reads, self._execute_cluster(reads))
         pool = self.r.connection_pool
         for attempt in (1, 2):
             conn: Any = pool.get_connection()  # redis-py leaves its methods untyped
             try:
-                conn.send_packed_command(payload())
-                return [conn.read_response() for _ in names]
+                conn.send_packed_command(reads.payload())
+                return _normalise(reads, [conn.read_response() for _ in reads.cmds])
             except (redis.ConnectionError, redis.TimeoutError):
                 conn.disconnect()
                 if attempt == 2:
@@ -393,8 +419,93 @@ class Store:
                 pool.release(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _execute_cluster(self, reads: Reads) -> list[Any]:
+        pipe: Any = self.r.pipeline(transaction=False)  # type: ignore[no-untyped-call]
+        for cmd in reads.cmds:
+            if cmd[0] == _SMIS:
+                pipe.smismember(cmd[1], list(reads.blobs[cmd[2]].members))
+            elif cmd[0] == _HGETALL:
+                pipe.hgetall(cmd[1])
+            else:
+                pipe.hget(cmd[1], cmd[2])
+        return list(pipe.execute())
+
     def ping(self) -> bool:
         return bool(self.r.ping())
+
+
+_SMIS, _HGETALL, _HGET = "SMISMEMBER", "HGETALL", "HGET"
+
+
+@dataclass
+class MemberBlob:
+    """Members of SMISMEMBER commands, encoded once per request and shared by every set."""
+
+    members: Sequence[bytes]
+    encoded: bytes
+
+
+@dataclass
+class Reads:
+    """Reads for one pipelined round trip (:meth:`Store.execute`), queued in order."""
+
+    cmds: list[tuple[str, str, Any]] = field(default_factory=list)
+    blobs: list[MemberBlob] = field(default_factory=list)
+
+    def members(self, members: Sequence[bytes]) -> int:
+        """Register members for SMISMEMBER; returns the handle to pass to it."""
+        encoded = b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
+        self.blobs.append(MemberBlob(members, encoded))
+        return len(self.blobs) - 1
+
+    def smismember(self, key: str, blob: int) -> int:
+        self.cmds.append((_SMIS, key, blob))
+        return len(self.cmds) - 1
+
+    def hgetall(self, key: str) -> int:
+        self.cmds.append((_HGETALL, key, None))
+        return len(self.cmds) - 1
+
+    def hget(self, key: str, name: str) -> int:
+        self.cmds.append((_HGET, key, name))
+        return len(self.cmds) - 1
+
+    def payload(self) -> Iterator[bytes]:
+        """The commands as packed RESP, in pieces of about ``_WRITE_BYTES``."""
+        out: list[bytes] = []
+        size = 0
+        for op, key, arg in self.cmds:
+            k = key.encode()
+            if op == _SMIS:
+                blob = self.blobs[arg]
+                piece = b"*%d\r\n$10\r\nSMISMEMBER\r\n$%d\r\n%b\r\n%b" % (
+                    len(blob.members) + 2, len(k), k, blob.encoded)
+            elif op == _HGETALL:
+                piece = b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(k), k)
+            else:
+                f = arg.encode()
+                piece = b"*3\r\n$4\r\nHGET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (
+                    len(k), k, len(f), f)
+            out.append(piece)
+            size += len(piece)
+            if size >= _WRITE_BYTES:
+                yield b"".join(out)
+                out, size = [], 0
+        if out:
+            yield b"".join(out)
+
+
+def _normalise(reads: Reads, replies: list[Any]) -> list[Any]:
+    """Raw (RESP2/RESP3) or callback-parsed replies to the forms :meth:`Store.execute` says."""
+    for i, (op, _, _) in enumerate(reads.cmds):
+        reply = replies[i]
+        if op == _HGETALL:
+            if isinstance(reply, list):
+                reply = dict(zip(reply[::2], reply[1::2]))
+            replies[i] = text_dict(reply or {})
+        elif op == _HGET:
+            replies[i] = None if reply is None else text(reply)
+    return replies
 
 
 def _run_length(flags: list[int]) -> int:

@@ -5,7 +5,13 @@ and, as ARGV[1] and ARGV[2], the prefixes of the *legacy* per-rank count hashes 
 and l2 (``…:l1:r`` and ``…:l2:r``, layout before the copies hash) so that the drop scripts
 can remove them without this file spelling a key. KEYS: 1 meta, 2 gen, 3 l1 state,
 4 l1 owner, 5 l1 set, 6 l1 copies, 7 l2 set, 8 l2 copies, 9 l3 set, 10 l3 staging,
-11 l3 state, 12 legacy l1 counts, 13 legacy l2 counts.
+11 l3 state, 12 legacy l1 counts, 13 legacy l2 counts, 14 group descriptors.
+
+**KV-cache groups.** KEYS 5–10 are group 0's. Group g >= 1 of a tier lives in the group-0
+key followed by ``:g<g>`` (its copies hash by ``:copies`` after that, its L3 staging by
+``:new``), the one rule :func:`common.keys.tier_group_set` also spells (a test checks the
+two agree). The groups that exist are the numeric fields of KEYS[14] (l1/l2) and the l3
+state's ``groups`` field (l3).
 
 Copies (see :mod:`common.keys`): a hash in a tier set that has no field in the tier's
 copies hash holds exactly one copy, on DP rank 0. Any other distribution is the copies
@@ -17,9 +23,21 @@ field of the copies hash is a member of the set, and no value is ``""`` or ``"1"
 from __future__ import annotations
 
 _COMMON = r"""
-local function tier_keys(tier)
-  if tier == 'l2' then return KEYS[7], KEYS[8] end
-  return KEYS[5], KEYS[6]
+local function tier_keys(tier, g)
+  local set, x = KEYS[5], KEYS[6]
+  if tier == 'l2' then set, x = KEYS[7], KEYS[8] end
+  if g == nil or g == '0' then return set, x end
+  set = set .. ':g' .. g
+  return set, set .. ':copies'
+end
+
+-- The KV-cache groups of the event-fed tiers: '0' and every numeric field of KEYS[14].
+local function event_groups()
+  local gs = {'0'}
+  for _, f in ipairs(redis.call('HKEYS', KEYS[14])) do
+    if string.match(f, '^%d+$') and f ~= '0' then gs[#gs + 1] = f end
+  end
+  return gs
 end
 
 local function decode(v)
@@ -80,11 +98,11 @@ local function remove_copy(set, x, h, ri)
   return ri == 1 and redis.call('SREM', set, h) == 1
 end
 
--- AllBlocksCleared of one rank; returns the number of distinct hashes it held.
+-- AllBlocksCleared of one rank in one group; returns the number of distinct hashes it held.
 -- Rank 0: the set is dropped and the hashes with copies on other ranks are put back
 -- (O(set) to free, O(copies hash) to rebuild). Other ranks: O(copies hash) only.
-local function clear_rank(tier, rank)
-  local set, x = tier_keys(tier)
+local function clear_rank_group(tier, g, rank)
+  local set, x = tier_keys(tier, g)
   local ri = tonumber(rank) + 1
   local flat = redis.call('HGETALL', x)
   local cleared, keep = 0, {}
@@ -115,6 +133,13 @@ local function clear_rank(tier, rank)
   return cleared
 end
 
+-- AllBlocksCleared of one rank: every group of the tier.
+local function clear_rank(tier, rank)
+  local cleared = 0
+  for _, g in ipairs(event_groups()) do cleared = cleared + clear_rank_group(tier, g, rank) end
+  return cleared
+end
+
 local function known_ranks()
   local ranks = {}
   for _, field in ipairs(redis.call('HKEYS', KEYS[3])) do
@@ -128,7 +153,26 @@ local function drop_event_tiers()
   for _, r in ipairs(known_ranks()) do
     redis.call('UNLINK', ARGV[1] .. r, ARGV[2] .. r)
   end
-  redis.call('UNLINK', KEYS[3], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[12], KEYS[13])
+  for _, g in ipairs(event_groups()) do
+    if g ~= '0' then
+      local s1, x1 = tier_keys('l1', g)
+      local s2, x2 = tier_keys('l2', g)
+      redis.call('UNLINK', s1, x1, s2, x2)
+    end
+  end
+  redis.call('UNLINK', KEYS[3], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[12], KEYS[13],
+             KEYS[14])
+end
+
+-- The L3 group sets (and stagings) named by the l3 state's 'groups', group 0 included.
+local function drop_l3()
+  local gs = redis.call('HGET', KEYS[11], 'groups')
+  if gs then
+    for g in string.gmatch(gs, '[^,]+') do
+      if g ~= '0' then redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new') end
+    end
+  end
+  redis.call('UNLINK', KEYS[9], KEYS[10], KEYS[11])
 end
 
 -- A new generation: above the last one and never below the server's clock in ms, so a
@@ -145,7 +189,17 @@ end
 
 local function drop_all()
   drop_event_tiers()
-  redis.call('UNLINK', KEYS[4], KEYS[9], KEYS[10], KEYS[11])
+  drop_l3()
+  redis.call('UNLINK', KEYS[4])
+end
+
+-- A reset the store decides itself (old layout, a group's descriptor changed): drop L1/L2,
+-- move the generation on (the ingester's next write is refused, it reloads and re-syncs)
+-- and say why in the new state hash.
+local function reset_instance(why)
+  drop_event_tiers()
+  redis.call('HSET', KEYS[1], 'gen', next_gen())
+  redis.call('HSET', KEYS[3], 'reset_reason', why)
 end
 """
 
@@ -193,18 +247,22 @@ return existed
 APPLY_BATCH = _COMMON + r"""
 -- ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] rank, ARGV[6] seq,
 -- ARGV[7] '1' = clear this rank first (publisher restart / gap policy clear),
--- ARGV[8] '1' = count an unrecoverable gap, ARGV[9..] ops: op, tier, n, hash * n
--- (op S = stored, R = removed, C = all cleared with n = 0).
+-- ARGV[8] '1' = count an unrecoverable gap, ARGV[9..] ops: op, tier, group, n, value * n
+-- (op S = stored, R = removed: n hashes; C = all cleared, n = 0, every group;
+-- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
+-- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
+-- (0 = derive), chunk (0 = unknown), dp size).
 -- Returns {status, stored, removed, unknown_removes, cleared}; status 1 applied,
--- 0 duplicate/old sequence, -1 stale generation, -2 not the owner.
+-- 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
+-- changed (the instance was reset: new generation, reset_reason in the state hash).
 if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
 if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
-if redis.call('EXISTS', KEYS[12], KEYS[13]) > 0 then
-  -- Written in the layout before the copies hash (per-rank count hashes): its counts cannot
-  -- be trusted here, so drop L1/L2 and move the generation on, as for a vLLM restart; the
-  -- ingester sees stale_gen, reloads the instance and re-syncs from the replay buffer.
-  drop_event_tiers()
-  redis.call('HSET', KEYS[1], 'gen', next_gen())
+if redis.call('EXISTS', KEYS[12], KEYS[13]) > 0
+   or (redis.call('EXISTS', KEYS[14]) == 0 and redis.call('EXISTS', KEYS[5], KEYS[7]) > 0) then
+  -- Written in an older layout (per-rank count hashes, or sets without group descriptors):
+  -- what it holds cannot be trusted here, so drop L1/L2 and move the generation on, as for
+  -- a vLLM restart; the ingester sees stale_gen, reloads and re-syncs from the replay buffer.
+  reset_instance('the index was written in an older layout')
   return {-1, 0, 0, 0, 0}
 end
 local rank, seq = ARGV[5], tonumber(ARGV[6])
@@ -216,24 +274,56 @@ if ARGV[7] == '1' then
 end
 local last = redis.call('HGET', KEYS[3], seqf)
 if last and seq <= tonumber(last) then return {0, 0, 0, 0, cleared} end
+-- Descriptors first, before any write: a kind or window that changed within a generation
+-- means the engine is not the one indexed (or the index is wrong): reset, never mix.
+local learned = {}
+local i = 9
+while i <= #ARGV do
+  local op, g, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 3])
+  if op == 'D' then
+    local kind, b, w = ARGV[i + 4], tonumber(ARGV[i + 5]), ARGV[i + 6]
+    local cur = learned[g] or redis.call('HGET', KEYS[14], g)
+    local ck, cb, cw, cm = '-', 0, '', 0
+    if cur then ck, cb, cw, cm = string.match(cur, '^([^,]*),(%d+),([^,]*),(%d+)$') end
+    cb, cm = tonumber(cb), tonumber(cm)
+    if kind ~= '-' and ck ~= '-' and (kind ~= ck or w ~= cw) then
+      reset_instance(string.format('KV-cache group %s changed from %s to %s,%d,%s', g,
+                                   cur, kind, b, w))
+      return {-3, 0, 0, 0, 0}
+    end
+    if ck == '-' then ck, cw = kind, w end
+    if b > 0 and (cm == 0 or b < cm) then cm = b end
+    if b > cb then cb = b end
+    learned[g] = string.format('%s,%d,%s,%d', ck, cb, cw, cm)
+  elseif op == 'H' then
+    learned['h_cfg'], learned['chunk'], learned['dp'] = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
+  elseif op == 'S' and not learned[g] then  -- a set never exists without its group's field
+    learned[g] = redis.call('HGET', KEYS[14], g) or '-,0,,0'
+  end
+  i = i + 4 + n
+end
+for f, v in pairs(learned) do
+  if redis.call('HGET', KEYS[14], f) ~= v then redis.call('HSET', KEYS[14], f, v) end
+end
 if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end
 local stored, removed, unknown = 0, 0, 0
 local ri = tonumber(rank) + 1
-local i = 9
+i = 9
 while i <= #ARGV do
-  local op, tier, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  local set, x = tier_keys(tier)
+  local op, tier, g, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
   if op == 'C' then
     cleared = cleared + clear_rank(tier, rank)
   elseif op == 'S' then
-    for j = i + 3, i + 2 + n do store_copy(set, x, ARGV[j], ri) end
+    local set, x = tier_keys(tier, g)
+    for j = i + 4, i + 3 + n do store_copy(set, x, ARGV[j], ri) end
     stored = stored + n
-  else
-    for j = i + 3, i + 2 + n do
+  elseif op == 'R' then
+    local set, x = tier_keys(tier, g)
+    for j = i + 4, i + 3 + n do
       if remove_copy(set, x, ARGV[j], ri) then removed = removed + 1 else unknown = unknown + 1 end
     end
   end
-  i = i + 3 + n
+  i = i + 4 + n
 end
 redis.call('HSET', KEYS[3], seqf, ARGV[6])
 return {1, stored, removed, unknown, cleared}
@@ -254,19 +344,39 @@ return 1
 
 REPLACE_L3 = r"""
 -- KEYS as above; ARGV[3] the generation the data was computed for ('' = any registered),
--- ARGV[4..] field, value pairs for the l3 state hash.
--- The staging set was filled by the caller in the same pipeline.
+-- ARGV[4] the groups of the new data, comma-separated ("0", "0,1,3"); ARGV[5..] field,
+-- value pairs for the l3 state hash.
+-- The staging sets (one per group) were filled by the caller in the same pipeline.
+local new = {}
+for g in string.gmatch(ARGV[4], '[^,]+') do new[#new + 1] = g end
+local function l3_keys(g)
+  if g == '0' then return KEYS[9], KEYS[10] end
+  return KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new'
+end
 if redis.call('EXISTS', KEYS[1]) == 0
    or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then
-  redis.call('DEL', KEYS[10])
+  for _, g in ipairs(new) do
+    local _, staging = l3_keys(g)
+    redis.call('DEL', staging)
+  end
   return 0
 end
-if redis.call('EXISTS', KEYS[10]) == 1 then
-  redis.call('RENAME', KEYS[10], KEYS[9])
-else
-  redis.call('UNLINK', KEYS[9])
+local keep = {}
+for _, g in ipairs(new) do
+  keep[g] = true
+  local set, staging = l3_keys(g)
+  if redis.call('EXISTS', staging) == 1 then
+    redis.call('RENAME', staging, set)
+  else
+    redis.call('UNLINK', set)
+  end
 end
-if #ARGV > 3 then redis.call('HSET', KEYS[11], unpack(ARGV, 4)) end
+local old = redis.call('HGET', KEYS[11], 'groups') or '0'
+for g in string.gmatch(old, '[^,]+') do
+  if not keep[g] then redis.call('UNLINK', (l3_keys(g))) end
+end
+redis.call('HSET', KEYS[11], 'groups', ARGV[4])
+if #ARGV > 4 then redis.call('HSET', KEYS[11], unpack(ARGV, 5)) end
 return 1
 """
 

@@ -395,8 +395,15 @@ def test_writes_use_exactly_the_documented_keys(store: Store) -> None:
     store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [3]), ("S", "l2", [4])))
     store.replace_l3(IP, [5], {"master": "m"}, gen=gen)
     store.claim_instance(IP, "ing", 10_000)
+    ops = TierOps()
+    ops.describe(2, "sliding_window", 16, 64)
+    ops.store("l1", [6, 6], group=2)
+    store.apply_batch(IP, gen, 0, 1, ops)
+    store.replace_l3(IP, {0: [5], 3: [7]}, {"master": "m"}, gen=gen)
     expected = {keys.INSTANCES, keys.instance_meta(IP), keys.instance_gen(IP), keys.l1_state(IP),
-                keys.l1_owner(IP), keys.l3_set(IP), keys.l3_state(IP)}
+                keys.l1_owner(IP), keys.l3_set(IP), keys.l3_state(IP), keys.l1_groups(IP),
+                keys.tier_group_set(IP, "l1", 2), keys.tier_group_copies(IP, "l1", 2),
+                keys.l3_group_set(IP, 3)}
     for tier in ("l1", "l2"):  # rank 1's copies: the sparse copies hash, no per-rank keys
         expected |= {keys.tier_set(IP, tier), keys.tier_copies(IP, tier)}
     assert {k.decode() for k in store.r.keys("*")} == expected

@@ -1,0 +1,156 @@
+"""The store's KV-cache groups: one set per group and tier, descriptors learned with the
+batch, resets when a descriptor changes or the old layout is found (fakeredis and real Redis,
+through the shared ``any_store`` fixture)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import keys
+from common.store import BatchStatus, Instance, Store, TierOps
+
+IP = "10.0.0.7"
+
+
+@pytest.fixture()
+def store(any_store: Store) -> Store:
+    return any_store
+
+
+def _register(store: Store, dp_size: int = 1) -> int:
+    return store.upsert_instance(Instance(ip=IP, uid="u", dp_size=dp_size))[1]
+
+
+def _gemma_batch(hashes: list[int]) -> TierOps:
+    """Groups 0 and 1 sliding window (64), group 2 full attention, as vLLM numbers Gemma 3."""
+    ops = TierOps()
+    for g, kind, window in ((0, "sliding_window", 64), (1, "sliding_window", 64),
+                            (2, "full_attention", None)):
+        ops.describe(g, kind, 32, window)
+        ops.store("l1", hashes if kind == "full_attention" else hashes[-2:], group=g)
+    return ops
+
+
+def test_each_group_has_its_own_set_and_descriptor(store: Store) -> None:
+    gen = _register(store)
+    ops = _gemma_batch([1, 2, 3, 4])
+    ops.settings(0, 0, 1)
+    assert store.apply_batch(IP, gen, 0, 0, ops).status is BatchStatus.APPLIED
+    assert store.tier_members(IP, "l1", 2) == {1, 2, 3, 4}
+    assert store.tier_members(IP, "l1", 0) == store.tier_members(IP, "l1", 1) == {3, 4}
+    assert store.tier_members(IP) == {3, 4}  # group 0 is today's key
+    assert store.groups(IP) == {"0": "sliding_window,32,64,32", "1": "sliding_window,32,64,32",
+                                "2": "full_attention,32,,32", "h_cfg": "0", "chunk": "0",
+                                "dp": "1"}
+    ops = TierOps()
+    ops.remove("l1", [3], group=1)
+    store.apply_batch(IP, gen, 0, 1, ops)
+    assert store.tier_members(IP, "l1", 1) == {4}
+    assert store.tier_members(IP, "l1", 0) == {3, 4}
+
+
+def test_block_sizes_widen_and_a_missing_kind_is_filled(store: Store) -> None:
+    gen = _register(store)
+    ops = TierOps()
+    ops.describe(1, None, 64, None)  # a connector's store: no kind
+    ops.describe(1, "full_attention", 128, None)
+    ops.describe(1, "full_attention", 16, None)  # a partial entry: block_size = h
+    ops.store("l1", [9], group=1)
+    assert store.apply_batch(IP, gen, 0, 0, ops).status is BatchStatus.APPLIED
+    assert store.groups(IP)["1"] == "full_attention,128,,16"
+    ops = TierOps()
+    ops.describe(1, None, 32, None)
+    store.apply_batch(IP, gen, 0, 1, ops)
+    assert store.groups(IP)["1"] == "full_attention,128,,16"
+
+
+@pytest.mark.parametrize("kind, window", [("mamba", None), ("sliding_window", 128)])
+def test_a_changed_descriptor_resets_the_instance(store: Store, kind: str,
+                                                  window: int | None) -> None:
+    gen = _register(store)
+    store.apply_batch(IP, gen, 0, 0, _gemma_batch([1, 2, 3]))
+    store.replace_l3(IP, [1], {"master": "m"}, gen=gen)
+    ops = TierOps()
+    ops.describe(0, kind, 32, window)
+    ops.store("l1", [5], group=0)
+    result = store.apply_batch(IP, gen, 0, 1, ops)
+    assert result.status is BatchStatus.GROUPS_CHANGED
+    new_gen = store.get_instance(IP).gen  # type: ignore[union-attr]
+    assert new_gen > gen
+    for g in (0, 1, 2):
+        assert store.tier_members(IP, "l1", g) == set()
+    assert store.groups(IP) == {}
+    assert "KV-cache group 0 changed" in store.l1_state(IP)["reset_reason"]
+    assert store.l3_members(IP) == {1}  # L3 is the poller's: not the ingester's to drop
+    # the re-synced generation starts afresh and learns the new descriptor
+    assert store.apply_batch(IP, new_gen, 0, 0, ops).status is BatchStatus.APPLIED
+    assert store.groups(IP)["0"].startswith(kind)
+
+
+def test_an_index_in_the_layout_without_groups_is_resynced(store: Store) -> None:
+    gen = _register(store)
+    store.r.sadd(keys.tier_set(IP, "l1"), 7)  # written by the previous release
+    store.r.hset(keys.l1_state(IP), "seq:0", 40)
+    result = store.apply_batch(IP, gen, 0, 41, _gemma_batch([1]))
+    assert result.status is BatchStatus.STALE_GEN
+    assert store.tier_members(IP) == set()
+    assert store.get_instance(IP).gen > gen  # type: ignore[union-attr]
+    assert "older layout" in store.l1_state(IP)["reset_reason"]
+
+
+def test_a_store_without_descriptor_is_not_mistaken_for_the_old_layout(store: Store) -> None:
+    gen = _register(store)
+    ops = TierOps()
+    ops.store("l1", [1, 2])
+    store.apply_batch(IP, gen, 0, 0, ops)
+    assert store.groups(IP) == {"0": "-,0,,0"}
+    ops = TierOps()
+    ops.store("l1", [3])
+    assert store.apply_batch(IP, gen, 0, 1, ops).status is BatchStatus.APPLIED
+    assert store.tier_members(IP) == {1, 2, 3}
+
+
+def test_all_blocks_cleared_and_restarts_clear_every_group(store: Store) -> None:
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 0, _gemma_batch([1, 2, 3]))
+    store.apply_batch(IP, gen, 1, 0, _gemma_batch([1, 2]))  # rank 1 holds copies too
+    ops = TierOps()
+    ops.clear("l1")
+    result = store.apply_batch(IP, gen, 0, 1, ops)
+    assert result.cleared == 3 + 2 + 2
+    assert store.tier_members(IP, "l1", 2) == {1, 2}  # rank 1's copies stay
+    assert store.tier_members(IP, "l1", 0) == {1, 2}
+    result = store.apply_batch(IP, gen, 1, 5, TierOps(), reset=True)
+    for g in (0, 1, 2):
+        assert store.tier_members(IP, "l1", g) == set()
+    assert set(store.groups(IP)) == {"0", "1", "2"}  # descriptors of the generation stay
+
+
+def test_dropping_an_instance_drops_every_group_of_every_tier(store: Store) -> None:
+    gen = _register(store)
+    ops = _gemma_batch([1, 2])
+    ops.describe(1, "sliding_window", 32, 64)
+    ops.store("l2", [8], group=1)
+    store.apply_batch(IP, gen, 0, 0, ops)
+    store.replace_l3(IP, {0: [1], 2: [1, 2]}, {"master": "m"}, gen=gen)
+    store.remove_instance(IP)
+    assert [k for k in store.r.keys("*") if b"{" + IP.encode() + b"}" in k and
+            not k.endswith(b":gen")] == []
+
+
+def test_replace_l3_writes_and_deletes_group_sets(store: Store) -> None:
+    gen = _register(store)
+    assert store.replace_l3(IP, {0: [1, 2], 1: [2], 3: [1]}, {"master": "m"}, gen=gen)
+    assert (store.l3_members(IP), store.l3_members(IP, 1), store.l3_members(IP, 3)) == \
+        ({1, 2}, {2}, {1})
+    assert store.l3_state(IP)["groups"] == "0,1,3"
+    assert store.replace_l3(IP, {0: [1], 1: []}, {"master": "m"}, gen=gen)
+    assert (store.l3_members(IP), store.l3_members(IP, 1), store.l3_members(IP, 3)) == \
+        ({1}, set(), set())
+    assert store.l3_state(IP)["groups"] == "0,1"
+    assert store.replace_l3(IP, [4])  # a plain iterable is group 0 alone
+    assert store.l3_state(IP)["groups"] == "0"
+    assert store.l3_members(IP) == {4} and store.l3_members(IP, 1) == set()
+    assert not store.replace_l3(IP, {0: [5], 2: [5]}, gen=gen + 1)  # stale: nothing written
+    assert store.l3_members(IP) == {4}
+    assert not store.r.exists(keys.l3_group_staging(IP, 2), keys.l3_group_staging(IP, 0))
