@@ -188,6 +188,8 @@ class IngestL1:
     replay_timeout: Duration = _f(Duration(5))
     hash_check_rate: int = 100
     no_events_after: Duration = _f(Duration(30))
+    prefix_match_unit: int = 0
+    attention_chunk_size: int = 0
 
 
 KEY_FORMATS = ("vllm", "vllm-ascend")
@@ -321,6 +323,14 @@ def _build(cls: Any, raw: Any, path: str, problems: list[str]) -> Any:
     return cls(**kwargs)
 
 
+def _check_token_counts(cfg: Config, problems: list[str]) -> None:
+    l1 = cfg.ingest.l1
+    for camel, value in (("prefixMatchUnit", l1.prefix_match_unit),
+                         ("attentionChunkSize", l1.attention_chunk_size)):
+        if value < 0:
+            problems.append(f"ingest.l1.{camel}: must be 0 (unknown) or a number of tokens")
+
+
 def _check_values(cfg: Config, problems: list[str]) -> None:
     for dotted, allowed in _CHOICES.items():
         obj: Any = cfg
@@ -345,6 +355,7 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     l1 = cfg.ingest.l1
     if not 0 < l1.heartbeat_interval <= l1.lease_ttl / 2:
         problems.append("ingest.l1.heartbeatInterval: must be > 0 and at most half of leaseTTL")
+    _check_token_counts(cfg, problems)
     if cfg.ingest.l1.hash_check_rate < 0:
         problems.append("ingest.l1.hashCheckRate: must be >= 0 (0 = off)")
     if cfg.ingest.l3.poll_interval <= 0:

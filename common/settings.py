@@ -116,6 +116,10 @@ class L1IngestSettings:
     no_events_after: float = 30.0
     hash: HashSettings = HashSettings()
     """How the vLLM instances hash blocks (``blockKey``), for the hash self-check."""
+    prefix_match_unit: int = 0
+    """vLLM's ``--prefix-match-unit`` of hybrid models (0 = derive it from the events)."""
+    attention_chunk_size: int = 0
+    """Chunk size of chunked-local attention groups (0 = unknown: answers a lower bound)."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> L1IngestSettings:
@@ -127,7 +131,9 @@ class L1IngestSettings:
             heartbeat_interval=float(l1.heartbeat_interval),
             replay_timeout=float(l1.replay_timeout), backoff_initial=float(l1.backoff_initial),
             backoff_max=float(l1.backoff_max), hash_check_rate=l1.hash_check_rate,
-            no_events_after=float(l1.no_events_after), hash=hash_settings(cfg))
+            no_events_after=float(l1.no_events_after), hash=hash_settings(cfg),
+            prefix_match_unit=l1.prefix_match_unit,
+            attention_chunk_size=l1.attention_chunk_size)
 
 
 @dataclass(frozen=True)
@@ -203,4 +209,5 @@ def instance_limits(cfg: Config) -> Limits:
     """What an instance's state is judged by (the API's instances report, ``inspect``): the
     ingesters' ``ingest.l1.noEventsAfter`` and ``leaseTTL``."""
     l1 = cfg.ingest.l1
-    return Limits(no_events_after=float(l1.no_events_after), lease_ttl=float(l1.lease_ttl))
+    return Limits(no_events_after=float(l1.no_events_after), lease_ttl=float(l1.lease_ttl),
+                  vllm_version=hash_settings(cfg).vllm_version)

@@ -19,6 +19,10 @@ only. No Lua: the reads stay valid on a Redis Cluster.
 * ``no_events`` — subscribed, but nothing received for ``ingest.l1.noEventsAfter``.
 * ``synced`` — otherwise.
 
+``groups`` describes the instance's KV-cache groups (:func:`common.group_view.describe`):
+their kinds and block sizes, the hash unit, and ``exact``: false, with the reasons, where the
+hit ratio of a hybrid model can only be a lower bound.
+
 Ages are computed against Redis ``TIME``; ``*_ms`` stamps are the writers' wall clocks.
 """
 
@@ -29,10 +33,8 @@ from enum import StrEnum
 from typing import Any
 
 
+from common import group_view, keys
 from common.redis_client import Client, text, text_dict
-
-from common import keys
-
 
 
 class InstanceState(StrEnum):
@@ -68,7 +70,7 @@ class HashCheck(StrEnum):
 
 STATES = tuple(InstanceState)
 """Every ``l1.state`` (the order of the per-instance state gauge)."""
-_PER_IP = ("meta", "l1", "owner", "blocks", "l3")
+_PER_IP = ("meta", "l1", "owner", "blocks", "l3", "groups")
 _UNREACHABLE = frozenset({ConnState.UNREACHABLE, ConnState.DISCONNECTED, ConnState.RETRYING})
 _MIN_FRESH_S = 3.0
 
@@ -123,6 +125,7 @@ class StatusReader:
             pipe.get(keys.l1_owner(ip))
             pipe.scard(keys.tier_set(ip, "l1"))
             pipe.hgetall(keys.l3_state(ip))
+            pipe.hgetall(keys.l1_groups(ip))
         for url in urls:
             pipe.hgetall(keys.master_state(url))
 
@@ -143,10 +146,12 @@ class StatusReader:
 
 @dataclass(frozen=True)
 class Limits:
-    """The config values the states depend on (seconds)."""
+    """The config values the states depend on (seconds), and the release the hit rule of
+    hybrid models follows."""
 
     no_events_after: float = 30.0
     lease_ttl: float = 5.0
+    vllm_version: tuple[int, ...] = (0, 28, 0)
 
 
 def build_report(raw: Raw, limits: Limits) -> dict[str, Any]:
@@ -175,7 +180,11 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
             "last_event_age_s": _age(l1.get("last_event_ms"), raw.now_ms),
             "gaps": sum(_int(v) for k, v in l1.items() if k.startswith("gap:")),
             "ingester": parts["owner"] or l1.get("ingester") or None,
+            "reset_reason": l1.get("reset_reason") or None,
         },
+        "groups": group_view.describe(
+            group_view.parse_groups(parts.get("groups") or {}, limits.vllm_version),
+            l1.get("hash_check")),
         "l3": {
             "blocks": _int(l3.get("blocks")) if l3 else None,
             "age_s": _age(l3.get("updated_ms"), raw.now_ms),

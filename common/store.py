@@ -420,7 +420,7 @@ class Store:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute_cluster(self, reads: Reads) -> list[Any]:
-        pipe: Any = self.r.pipeline(transaction=False)  # type: ignore[no-untyped-call]
+        pipe: Any = self.r.pipeline(transaction=False)
         for cmd in reads.cmds:
             if cmd[0] == _SMIS:
                 pipe.smismember(cmd[1], list(reads.blobs[cmd[2]].members))

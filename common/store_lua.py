@@ -169,7 +169,9 @@ local function drop_l3()
   local gs = redis.call('HGET', KEYS[11], 'groups')
   if gs then
     for g in string.gmatch(gs, '[^,]+') do
-      if g ~= '0' then redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new') end
+      if g ~= '0' then
+        redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new')
+      end
     end
   end
   redis.call('UNLINK', KEYS[9], KEYS[10], KEYS[11])

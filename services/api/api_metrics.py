@@ -62,6 +62,14 @@ class ApiMetrics:
             ("op",))
         self.hashed_blocks: Counter = r.counter(
             "cache_indexer_api_hashed_blocks_total", "Prompt blocks hashed for hit-rate requests.")
+        self.inexact: Counter = r.counter(
+            "cache_indexer_api_inexact_answers_total",
+            "Hit ratios that are only a lower bound of what vLLM reuses, by tier and reason "
+            "(one per candidate and tier).", ("tier", "reason"))
+        self.group_rereads: Counter = r.counter(
+            "cache_indexer_api_group_rereads_total",
+            "Candidates read a second time in one request because their KV-cache groups "
+            "changed since the worker last saw them.")
         if self.registry.buffers is not None:
             self.registry.buffers.start()
 

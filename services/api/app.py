@@ -140,7 +140,8 @@ def create_app(settings: ApiSettings, store: Store, hasher: hit_rate.Hasher,
     middleware: list[Any] = [_RequestMetrics(metrics), _ServedBy(), hit_rate.PostOnly()]
     app: App = falcon.App(middleware=middleware)
     app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
-        store, hasher, metrics, settings.max_hit_rate_body_bytes, settings.max_candidates))
+        store, hasher, metrics, settings.max_hit_rate_body_bytes, settings.max_candidates,
+        settings.hash.vllm_version))
     reader = StatusReader(store.r)
     limits = settings.instance_limits
     app.add_route(instances.PATH, instances.InstancesResource(reader, limits, metrics))

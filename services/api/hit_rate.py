@@ -35,6 +35,7 @@ import redis
 from common.errors import RequestError
 from common.store import Store
 from services.api.api_metrics import ApiMetrics
+from services.api.scoring import Hit, Scorer, ViewCache, parse_view
 
 logger = logging.getLogger(__name__)
 
@@ -195,26 +196,81 @@ def _bad(message: str) -> RequestError:
     return RequestError(400, message)
 
 
-def score(request: HitRateRequest, store: Store, hasher: Hasher,
-          metrics: ApiMetrics) -> list[dict[str, Any]]:
-    """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order."""
-    n = len(request.token_ids) // request.block_size
-    try:  # hashes the n full blocks and range-checks every id, the partial tail included
-        members = hasher.member_keys(request.token_ids, request.block_size, request.cache_salt)
+def score(request: HitRateRequest, store: Store, hasher: Hasher, metrics: ApiMetrics,
+          views: ViewCache | None = None, *, detail: bool = False,
+          vllm_version: tuple[int, ...] = (0, 28, 0)) -> list[dict[str, Any]]:
+    """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
+    with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
+
+    The prompt is hashed once per distinct hash unit among the candidates (the request's
+    block size for single-group instances); the reads are one pipelined round trip, plus
+    one for the candidates whose KV-cache groups changed since this worker last saw them
+    (:mod:`services.api.scoring`)."""
+    views = views if views is not None else ViewCache()
+    chains: dict[int, Sequence[bytes]] = {}
+
+    def chain(unit: int) -> Sequence[bytes]:
+        if unit not in chains:  # hashes every full unit, range-checks every id
+            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt)
+            metrics.hashed_blocks.inc(len(chains[unit]))
+        return chains[unit]
+
+    try:
+        chain(request.block_size)
     except ValueError as exc:  # a negative id, or one wider than the configured vLLM's ids
         raise RequestError(400, f"body.token_ids cannot be hashed for vLLM: {exc}") from None
-    metrics.hashed_blocks.inc(len(members))
-    try:
-        lengths = store.prefix_lengths(request.server_ips, members)  # no Redis call if n == 0
-    except redis.RedisError as exc:
-        metrics.redis_errors.inc(op="hit_rate")
-        logger.warning("hit rate: Redis failed: %s", exc)
-        raise RequestError(500, UNREACHABLE) from None
-    return [
-        {"server_ip": ip, "l1_hit_ratio": l1 / n if n else 0.0,
-         "l3_hit_ratio": l3 / n if n else 0.0}
-        for ip, (l1, l3) in zip(request.server_ips, lengths)
-    ]
+    distinct = list(dict.fromkeys(request.server_ips))
+    n_tokens = len(request.token_ids)
+    if n_tokens < request.block_size:  # no full block: nothing to read
+        hits = {ip: (Hit(0, 0.0), Hit(0, 0.0)) for ip in distinct}
+    else:
+        try:
+            hits = _read_hits(distinct, Scorer(n_tokens, request.block_size, chain, store), views,
+                              vllm_version, metrics)
+        except redis.RedisError as exc:
+            metrics.redis_errors.inc(op="hit_rate")
+            logger.warning("hit rate: Redis failed: %s", exc)
+            raise RequestError(500, UNREACHABLE) from None
+    for l1, l3 in hits.values():
+        for tier, hit in (("l1", l1), ("l3", l3)):
+            for reason in hit.reasons:
+                metrics.inexact.inc(tier=tier, reason=reason)
+    return [_answer(ip, *hits[ip], detail) for ip in request.server_ips]
+
+
+def _read_hits(ips: list[str], scorer: Scorer, views: ViewCache,
+               vllm_version: tuple[int, ...], metrics: ApiMetrics) -> dict[str, tuple[Hit, Hit]]:
+    """Round trip 1 with every candidate's cached view; a second for the changed ones."""
+    old = {ip: views.get(ip) for ip in ips}
+    slots = {ip: scorer.queue(ip, old[ip]) for ip in ips}
+    replies = scorer.store_execute()
+    out, changed = {}, {}
+    for ip in ips:
+        s = slots[ip]
+        fresh = parse_view(replies[s.groups], replies[s.l3_groups], vllm_version)
+        if fresh.raw == old[ip].raw:
+            out[ip] = scorer.evaluate(old[ip], s, replies)
+        else:
+            views.put(ip, fresh)
+            changed[ip] = fresh
+    if changed:
+        metrics.group_rereads.inc(len(changed))
+        again = scorer.fresh()
+        slots2 = {ip: again.queue(ip, view, descriptors=False) for ip, view in changed.items()}
+        replies2 = again.store_execute()
+        for ip, view in changed.items():
+            out[ip] = again.evaluate(view, slots2[ip], replies2)
+    return out
+
+
+def _answer(ip: str, l1: Hit, l3: Hit, detail: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = {"server_ip": ip, "l1_hit_ratio": l1.ratio, "l3_hit_ratio": l3.ratio}
+    if detail:
+        for tier, hit in (("l1", l1), ("l3", l3)):
+            doc[f"{tier}_hit_tokens"] = hit.tokens
+            doc[f"{tier}_exact"] = not hit.reasons
+            doc[f"{tier}_inexact_reason"] = ",".join(hit.reasons) or None
+    return doc
 
 
 def error_document(status: int, message: str) -> bytes:
@@ -233,13 +289,18 @@ class HitRateResource:
     """``/kv-cache/hit-rate``; other methods are refused by :class:`PostOnly`."""
 
     def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int,
-                 max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
+                 max_candidates: int = DEFAULT_MAX_CANDIDATES,
+                 vllm_version: tuple[int, ...] = (0, 28, 0)) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
         self.body_limit, self.max_candidates = body_limit, max_candidates
+        self.vllm_version = vllm_version
+        self.views = ViewCache()
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_request(read_body(req, self.body_limit), self.max_candidates)
-        scores = score(request, self.store, self.hasher, self.metrics)
+        detail = req.get_param_as_bool("detail", default=False)
+        scores = score(request, self.store, self.hasher, self.metrics, self.views,
+                       detail=bool(detail), vllm_version=self.vllm_version)
         resp.content_type = falcon.MEDIA_JSON
         resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})
 

@@ -6,14 +6,12 @@ Pure (no I/O), so every rule here is unit-tested directly:
   - **Medium.** ``"GPU"`` (any case) and ``None`` (vLLM < 0.10.2 sends no medium) go to tier
     ``l1``; every other medium (``CPU``/``STORAGE`` from the offloading connector, ``cpu`` from
     the Mooncake store connector, LMCache's own names) goes to tier ``l2``, never to ``l1``.
-  - **KV-cache group.** An event is indexed only when it belongs to the full-attention group a
-    prefix hit is computed on: ``group_idx`` is ``None`` or ``0`` *and* ``kv_cache_spec_kind`` is
-    ``None`` or one of :data:`FULL_ATTENTION_KINDS`. Old versions send neither field (plain
-    models have only group 0). From vLLM 0.22 (which sends the kind), hybrid models whose
-    group 0 is not full attention (sliding window, mamba, …) are under-reported rather than
-    over-reported: a sliding-window group drops old blocks, so its hashes say nothing about a
-    reusable prefix. vLLM 0.20–0.21 send ``group_idx`` without the kind, so such a group 0 is
-    indexed there; before 0.20 every group is (no ``group_idx``).
+  - **KV-cache group.** Every group is indexed, each in its own set (``group_idx``; none =
+    group 0, as vLLM < 0.20 sends and dense models have). A ``BlockStored`` also records its
+    group's descriptor (kind, block size, window: :meth:`~common.store.TierOps.describe`),
+    which the store checks and the hit rule (:mod:`common.hit_rule`) reads; group ids are
+    never taken to mean a kind. Sparse stores (hashes for only the kept blocks, even none)
+    are applied as they are: a hash names a prefix length, so it needs no position.
   - **Placeholders** (``token_ids == []`` and ``block_size == 0``, emitted by connectors) are
     not indexed. ``AllBlocksCleared`` clears tier ``l1`` of the batch's rank only: it carries no
     medium and is only emitted by the GPU block pool's ``reset_prefix_cache``.
@@ -38,9 +36,6 @@ from common.events import (
 )
 from common.store import TierOps
 
-FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
-"""Spec kinds whose blocks form a reusable prefix (plain and MLA attention)."""
-
 L1, L2 = "l1", "l2"
 _KNOWN_MEDIA = frozenset({"CPU", "STORAGE", "DISK", "GPU"})
 
@@ -56,16 +51,23 @@ def medium_label(medium: str | None) -> str:
     return name if name in _KNOWN_MEDIA else "other"
 
 
-def in_prefix_group(group_idx: int | None, kind: str | None = None) -> bool:
-    """True for events of the full-attention group 0 (or of versions that predate groups)."""
-    return group_idx in (None, 0) and (kind is None or kind in FULL_ATTENTION_KINDS)
+@dataclass(frozen=True)
+class GroupSettings:
+    """What the ingester's config says of one instance's hash unit, chunk size and DP size
+    (written next to the learned group descriptors, see :meth:`TierOps.settings`)."""
+
+    hash_unit: int = 0
+    """vLLM's ``--prefix-match-unit`` (0 = derive from the events' block sizes)."""
+    chunk: int = 0
+    """Chunk size of chunked-local attention groups (0 = unknown: a lower bound)."""
+    dp_size: int = 1
 
 
 @dataclass
 class Plan:
     """The store writes of one batch plus per-event outcome counts for metrics.
 
-    ``outcomes`` keys are ``(event_type, outcome)``; outcome is ``l1``, ``l2``, ``other_group``,
+    ``outcomes`` keys are ``(event_type, outcome)``; outcome is ``l1``, ``l2``,
     ``placeholder`` or ``skipped:<reason>`` (malformed / unknown events of the batch).
     ``other_media`` counts events sent to ``l2`` by medium label (:func:`medium_label`),
     ``hash_updates`` the hashes stored or removed per tier.
@@ -75,14 +77,18 @@ class Plan:
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     other_media: Counter[str] = field(default_factory=Counter)
     hash_updates: Counter[str] = field(default_factory=Counter)
+    described: set[tuple[int, str | None, int, int | None]] = field(default_factory=set)
 
 
-def plan_ops(batch: EventBatch) -> Plan:
-    """Translate one decoded batch into ordered tier operations (consecutive ops merged)."""
+def plan_ops(batch: EventBatch, settings: GroupSettings | None = None) -> Plan:
+    """Translate one decoded batch into ordered tier operations (consecutive ops merged);
+    ``settings`` go with the first group descriptor of the batch."""
     plan = Plan()
     for event in batch.events:
         kind, outcome = _plan_event(event, plan)
         plan.outcomes[(kind, outcome)] += 1
+    if plan.described and settings is not None:
+        plan.ops.settings(settings.hash_unit, settings.chunk, settings.dp_size)
     for skipped in batch.skipped:
         plan.outcomes[("unknown", f"skipped:{skipped.reason}")] += 1
     return plan
@@ -95,17 +101,29 @@ def _plan_event(event: Event, plan: Plan) -> tuple[str, str]:
     if isinstance(event, BlockStored):
         if not event.token_ids and event.block_size == 0:
             return "BlockStored", "placeholder"
-        if not in_prefix_group(event.group_idx, event.kv_cache_spec_kind):
-            return "BlockStored", "other_group"
+        group = event.group_idx or 0
+        if group < 0:
+            return "BlockStored", "skipped:bad_group"
+        _describe(plan, group, event)
         tier = _tier(plan, event.medium)
-        _add(plan, "S", tier, [hash_to_int(h) for h in event.block_hashes])
+        _add(plan, "S", tier, group, [hash_to_int(h) for h in event.block_hashes])
         return "BlockStored", tier
     assert isinstance(event, BlockRemoved)
-    if not in_prefix_group(event.group_idx):
-        return "BlockRemoved", "other_group"
+    group = event.group_idx or 0
+    if group < 0:
+        return "BlockRemoved", "skipped:bad_group"
     tier = _tier(plan, event.medium)
-    _add(plan, "R", tier, [hash_to_int(h) for h in event.block_hashes])
+    _add(plan, "R", tier, group, [hash_to_int(h) for h in event.block_hashes])
     return "BlockRemoved", tier
+
+
+def _describe(plan: Plan, group: int, event: BlockStored) -> None:
+    """Record the group's descriptor once per batch and distinct descriptor."""
+    desc = (group, event.kv_cache_spec_kind, event.block_size,
+            event.kv_cache_spec_sliding_window)
+    if desc not in plan.described:
+        plan.described.add(desc)
+        plan.ops.describe(*desc)
 
 
 def _tier(plan: Plan, medium: str | None) -> str:
@@ -115,14 +133,19 @@ def _tier(plan: Plan, medium: str | None) -> str:
     return tier
 
 
-def _add(plan: Plan, op: str, tier: str, hashes: list[int]) -> None:
-    """Append ``op``; merge into the previous op when it is the same op on the same tier."""
+def _add(plan: Plan, op: str, tier: str, group: int, hashes: list[int]) -> None:
+    """Append ``op``; merge into the previous op when it is the same op on the same tier and
+    group (descriptors between them are applied first by the store, so they do not part)."""
     plan.hash_updates[tier] += len(hashes)
     ops = plan.ops.ops
-    if ops and ops[-1][0] == op and ops[-1][1] == tier:
-        ops[-1][2].extend(hashes)
-    else:
-        ops.append((op, tier, hashes))
+    for last in reversed(ops):
+        if last[0] in ("D", "H"):
+            continue
+        if last[0] == op and last[1] == tier and last[2] == group:
+            last[3].extend(hashes)
+            return
+        break
+    ops.append((op, tier, group, hashes))
 
 
 # -- sequence tracking --------------------------------------------------------------------

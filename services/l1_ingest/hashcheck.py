@@ -7,9 +7,18 @@ release's extra-key rule). :class:`HashChecker` recomputes the hashes of sampled
 event's ``block_hashes``:
 
 * Only chains it can prove: an event whose parent is the chain root (``parent_block_hash``
-  nil: NONE_HASH from the configured seed) or a block it verified itself (its full 32-byte
-  digest is kept; events carry only 8 bytes, which cannot be chained). GPU, group-0,
-  full-attention events whose tokens are exactly ``len(block_hashes) * block_size``.
+  nil on a full-attention group: NONE_HASH from the configured seed) or a block it verified
+  itself, in any KV-cache group (its full 32-byte digest is kept; events carry only 8 bytes,
+  which cannot be chained). GPU events only.
+* Plain stores (tokens exactly ``len(block_hashes) * block_size`` at the hash unit) are
+  checked block by block. Every other store of a KV-cache group — a sliding-window or Mamba
+  group's sparse store, a block larger than the hash unit ``h``, a partial entry — is checked
+  by chaining its whole token span at ``h`` and requiring the published hashes to be a
+  subsequence of the chain's values at the group's block boundaries (spec vllm-hybrid-kv.md
+  §2.3). ``h`` is ``ingest.l1.prefixMatchUnit`` when set, else the GCD of the block sizes
+  seen: a ``--prefix-match-unit`` finer than that shows as a mismatch naming the unit. A
+  null parent is the root only on full-attention kinds (a sparse group's first kept block
+  has no stored parent either); such stores, and sparse ones with extra keys, are unchecked.
 * Bounded CPU: a token bucket of ``ingest.l1.hashCheckRate`` blocks per second per instance
   (burst one second). When the bucket is empty an event costs one comparison.
 * Extra keys come from the event (``extra_keys``, vLLM >= 0.17, one entry per hash; else
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -51,12 +61,15 @@ from common.blockhash import (
 from common.events import BlockStored, Event, hash_to_int
 from common.lifecycle import StateLog
 from common.status_report import HashCheck
-from services.l1_ingest.apply import in_prefix_group, tier_for_medium
+from common.hit_rule import FULL_ATTENTION_KINDS
+from services.l1_ingest.apply import tier_for_medium
 from services.l1_ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
 
 OK, MISMATCH, UNCHECKED = HashCheck.OK, HashCheck.MISMATCH, HashCheck.UNCHECKED
+_ROOT_KINDS = frozenset({None, *FULL_ATTENTION_KINDS})
+"""Kinds whose null parent is the chain root (``None``: versions that send no kind)."""
 UNTAGGED, TAGGED = "untagged", "tagged"
 VERIFIED_MAX = 4096
 """Verified digests kept per instance (parents that later events may chain from)."""
@@ -150,8 +163,11 @@ class HashChecker:
 
     def __init__(self, name: str, settings: HashSettings, rate: float, *,
                  metrics: IngestMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hash_unit: int = 0) -> None:
         self.name, self.rate, self.metrics, self.clock = name, float(rate), metrics, clock
+        self.configured_unit = hash_unit
+        self.unit = hash_unit
+        """The hash unit the checks chain at: configured, else the GCD of block sizes seen."""
         self.version = ".".join(map(str, settings.vllm_version))
         self.expected = expected_candidate(settings)
         self._capacity = max(1.0, self.rate)
@@ -182,8 +198,15 @@ class HashChecker:
                 self._consider(event)
 
     def _consider(self, event: BlockStored) -> None:
+        n, size = len(event.block_hashes), event.block_size
+        if size <= 0 or tier_for_medium(event.medium) != "l1":
+            return  # placeholders and other media
+        if not self.configured_unit:
+            self.unit = math.gcd(self.unit, size)
         parent_int = event.parent_block_hash
         if parent_int is None:
+            if event.kv_cache_spec_kind not in _ROOT_KINDS:
+                return  # a sparse group's first kept block: its parent is not stored
             parent = _none_hash(self.expected.algo, self.expected.seed)
         else:  # the commonest case first: a parent never verified (costs no budget)
             found = self.verified.get(
@@ -191,15 +214,58 @@ class HashChecker:
             if found is None:
                 return
             parent = found
-        n, size = len(event.block_hashes), event.block_size
-        if n == 0 or size <= 0 or len(event.token_ids) != n * size:
-            return  # placeholders, masked blocks (sliding window, mamba): not a plain chain
-        if tier_for_medium(event.medium) != "l1" or not in_prefix_group(
-                event.group_idx, event.kv_cache_spec_kind):
+        if n == 0:
             return
-        k = n if self._tokens >= n else int(self._tokens)
-        self._tokens -= k
-        self._check(event, parent, k)
+        if size == self.unit and len(event.token_ids) == n * size:
+            k = n if self._tokens >= n else int(self._tokens)
+            self._tokens -= k
+            self._check(event, parent, k)
+            return
+        units = len(event.token_ids) // self.unit if self.unit else 0
+        if units == 0 or units > self._tokens:
+            return
+        self._tokens -= units
+        self._check_span(event, parent)
+
+    def _check_span(self, event: BlockStored, parent: bytes) -> None:
+        """A group's store that is not one hash per ``h`` tokens: its published hashes must
+        be a subsequence of the span's chain at ``h``, at the group's block boundaries."""
+        unit, size = self.unit, event.block_size
+        if size % unit or len(event.token_ids) % unit:
+            self._skip("span_not_whole_units")
+            return
+        if any(k is not None for k in (event.extra_keys or [])) or event.lora_name:
+            self._skip("sparse_extra_keys")
+            return
+        try:
+            digests = chain_digests(self.expected.algo, parent, event.token_ids, unit,
+                                    [None] * (len(event.token_ids) // unit))
+        except ValueError:
+            self._skip("bad_tokens")
+            return
+        values = [to_event_int(d) for d in digests]
+        step = size // unit
+        boundaries = iter(values[step - 1::step])
+        published = [hash_to_int(h) for h in event.block_hashes]
+        if not all(any(v == b for b in boundaries) for v in published):
+            self._on_span_mismatch(event)
+            return
+        for value, digest in zip(values, digests):
+            self._remember(value, digest)
+        self._count_ok(len(published))
+
+    def _on_span_mismatch(self, event: BlockStored) -> None:
+        self.mismatch += 1
+        self._mismatch_at = self.clock()
+        if self.metrics is not None:
+            self.metrics.hash_checks.inc(result=MISMATCH)
+        source = "ingest.l1.prefixMatchUnit" if self.configured_unit else "the GCD of the " \
+            "block sizes seen (set ingest.l1.prefixMatchUnit to vLLM's --prefix-match-unit)"
+        self._set(MISMATCH, f"the hashes of KV-cache group {event.group_idx or 0} "
+                            f"({event.kv_cache_spec_kind or 'kind not sent'}, block "
+                            f"{event.block_size}) are not on the chain at hash unit "
+                            f"{self.unit} from {source}, with "
+                            f"{self.expected.describe(False)}")
 
     def _check(self, event: BlockStored, parent: bytes, k: int) -> None:
         at_root = event.parent_block_hash is None
@@ -218,9 +284,12 @@ class HashChecker:
                 self._on_mismatch(event, parent if i == 0 else digests[i - 1], i)
                 return
             self._remember(hash_to_int(event.block_hashes[i]), digest)
-        self.ok += len(digests)
+        self._count_ok(len(digests))
+
+    def _count_ok(self, blocks: int) -> None:
+        self.ok += blocks
         if self.metrics is not None:
-            self.metrics.hash_checks.inc(len(digests), result=OK)
+            self.metrics.hash_checks.inc(blocks, result=OK)
         if self.clock() - self._mismatch_at >= MISMATCH_HOLD:
             self._set(OK, f"{self.ok} blocks verified ({self.expected.describe(False)})")
 
@@ -244,8 +313,13 @@ class HashChecker:
         if self.metrics is not None:
             self.metrics.hash_checks.inc(result=MISMATCH)
         keyed = any(k is not None for k in (event.extra_keys or [])) or bool(event.lora_name)
-        hint = self._explain(event, parent, index)
-        if hint is not None:
+        unit = None if self.configured_unit else self._finer_unit(event, parent, index)
+        hint = None if unit is not None else self._explain(event, parent, index)
+        if unit is not None:
+            detail = (f"the engine hashes at a prefix-match unit of {unit} tokens (vLLM's "
+                      f"--prefix-match-unit), finer than the block size {event.block_size}: "
+                      f"set ingest.l1.prefixMatchUnit: {unit}")
+        elif hint is not None:
             if hint != self.hint and self.metrics is not None:
                 self.metrics.hash_check_hints.inc(seed=hint.seed, algo=hint.algo,
                                                   extra_keys=hint.rule)  # fmt: skip
@@ -259,6 +333,24 @@ class HashChecker:
                       "be unset on a vLLM < 0.29 engine (random per process), or an unknown "
                       f"seed is used; the config says {self.expected.describe(keyed)}")
         self._set(MISMATCH, detail)
+
+    def _finer_unit(self, event: BlockStored, parent: bytes, index: int) -> int | None:
+        """The largest unit below the block size at which block ``index``'s published value
+        is the chain's value at its end, if any (a ``--prefix-match-unit`` not configured)."""
+        size = event.block_size
+        tokens = event.token_ids[index * size:(index + 1) * size]
+        if len(tokens) != size or event.extra_keys or event.lora_name:
+            return None
+        want = hash_to_int(event.block_hashes[index])
+        for unit in sorted((d for d in range(1, size) if size % d == 0), reverse=True)[:16]:
+            try:
+                last = chain_digests(self.expected.algo, parent, tokens, unit,
+                                     [None] * (size // unit))[-1]
+            except ValueError:
+                return None
+            if to_event_int(last) == want:
+                return unit
+        return None
 
     def _config_text(self, hint: Candidate) -> str:
         exp, parts = self.expected, []

@@ -134,7 +134,7 @@ class StatusBoard:
             return InstanceStatus(inst, None)
         try:
             checker = HashChecker(inst.ip, self.settings, self.cfg.hash_check_rate,
-                                  metrics=self.metrics)
+                                  metrics=self.metrics, hash_unit=self.cfg.prefix_match_unit)
         except ConfigError as exc:
             return InstanceStatus(inst, None, f"cannot check: {exc}")
         return InstanceStatus(inst, checker)

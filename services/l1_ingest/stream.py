@@ -42,7 +42,16 @@ from common.events import Event, decode_batch
 from common.lifecycle import StateLog
 from common.settings import GapPolicy
 from common.store import ApplyResult, BatchStatus, Instance, Store, TierOps
-from services.l1_ingest.apply import Cursor, Plan, Step, Verdict, classify, plan_ops, plan_run
+from services.l1_ingest.apply import (
+    Cursor,
+    GroupSettings,
+    Plan,
+    Step,
+    Verdict,
+    classify,
+    plan_ops,
+    plan_run,
+)
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.replay import ReplayRequest
 from services.l1_ingest.status import InstanceStatus
@@ -74,8 +83,10 @@ class RankStream:
     def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
                  *, owner: str, gap_policy: GapPolicy, replay_timeout: float,
                  metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None,
-                 status: InstanceStatus | None = None) -> None:
+                 status: InstanceStatus | None = None,
+                 groups: GroupSettings | None = None) -> None:
         self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
+        self.groups = groups or GroupSettings(dp_size=max(1, inst.dp_size))
         self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
         self.metrics, self.status = metrics, status
         self.name = f"{inst.ip}/r{rank}"
@@ -267,7 +278,7 @@ class RankStream:
         for skipped in batch.skipped:
             logger.error("%s: seq %d event %d skipped (%s): %s",
                          self.name, step.seq, skipped.index, skipped.reason, skipped.detail)
-        return plan_ops(batch), batch.events
+        return plan_ops(batch, self.groups), batch.events
 
     def _count(self, plan: Plan) -> None:
         for (kind, outcome), n in plan.outcomes.items():

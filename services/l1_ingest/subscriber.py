@@ -40,6 +40,7 @@ from common.lifecycle import Backoff, StateLog
 from common.settings import L1IngestSettings
 from common.status_report import ConnState
 from common.store import Instance, Store
+from services.l1_ingest.apply import GroupSettings
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.status import ConnRound, StatusBoard, worst
 from services.l1_ingest.stream import RankStream, rank_endpoint
@@ -208,7 +209,9 @@ class Subscriber:
             gap_policy=self.cfg.on_unrecoverable_gap, replay_timeout=self.cfg.replay_timeout,
             metrics=self.metrics,
             last_digest=(seq, digest) if gen == inst.gen and seq is not None else None,
-            status=self.board.of(inst))
+            status=self.board.of(inst),
+            groups=GroupSettings(self.cfg.prefix_match_unit, self.cfg.attention_chunk_size,
+                                 max(1, inst.dp_size)))
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)

@@ -68,7 +68,9 @@ def test_document_shape(any_store: Store) -> None:
     doc = orjson.loads(result.content)
     assert set(doc) == {"instances", "masters"}
     a, b = doc["instances"]
-    assert set(a) == {"server_ip", "pod", "l1", "l3"}
+    assert set(a) == {"server_ip", "pod", "l1", "l3", "groups"}
+    assert (a["groups"]["hybrid"], a["groups"]["exact"], a["groups"]["inexact_reasons"]) == (
+        False, True, [])
     assert {"state", "blocks", "hash_check", "hash_check_detail", "last_event_age_s", "gaps",
             "ingester"} <= set(a["l1"])
     assert set(a["l3"]) == {"blocks", "age_s", "stale", "master"}
@@ -169,3 +171,33 @@ def test_metrics_show_instance_states_and_master_keys(any_store: Store) -> None:
         in text
     assert f'cache_indexer_master_keys_unparsed{{url="{URL}"}} 2.0' in text
     assert 'cache_indexer_instance_blocks{server_ip="10.0.0.5",tier="l3"} 2.0' in text
+
+
+def test_hybrid_groups_are_described_with_their_exactness(any_store: Store) -> None:
+    """Gemma-3-like groups [SWA, SWA, FA]: shown as learned; exact once the self-check
+    confirmed the derived hash unit; a chunked-local group without a chunk size is not."""
+    _, gen = any_store.upsert_instance(Instance(ip="10.0.0.9", uid="u9"))
+    ops = TierOps()
+    for g, kind, window in ((0, "sliding_window", 64), (1, "sliding_window", 64),
+                            (2, "full_attention", None)):
+        ops.describe(g, kind, 32, window)
+    assert any_store.apply_batch("10.0.0.9", gen, 0, 0, ops).status == "applied"
+    client = _client(any_store)
+
+    def groups() -> dict[str, object]:
+        doc = orjson.loads(client.simulate_get(PATH).content)
+        (inst,) = [i for i in doc["instances"] if i["server_ip"] == "10.0.0.9"]
+        return dict(inst["groups"])
+
+    got = groups()
+    assert got["hybrid"] is True and got["hash_unit"] == 32
+    assert got["hash_unit_source"] == "events"
+    assert [(g["group"], g["kind"], g["sliding_window"]) for g in got["kv_cache_groups"]] == [
+        (0, "sliding_window", 64), (1, "sliding_window", 64), (2, "full_attention", None)]
+    assert (got["exact"], got["inexact_reasons"]) == (False, ["unconfirmed_hash_unit"])
+    any_store.write_l1_status([L1Status("10.0.0.9", gen, "", {"hash_check": "ok"})])
+    assert (groups()["exact"], groups()["inexact_reasons"]) == (True, [])
+    ops = TierOps()
+    ops.describe(3, "chunked_local_attention", 32, None)
+    any_store.apply_batch("10.0.0.9", gen, 0, 1, ops)
+    assert groups()["inexact_reasons"] == ["chunk_size_unknown"]

@@ -16,9 +16,10 @@ from common.events import (
 )
 from services.l1_ingest.apply import (
     Cursor,
+    GroupSettings,
+    Plan,
     Verdict,
     classify,
-    in_prefix_group,
     plan_ops,
     plan_run,
     tier_for_medium,
@@ -33,6 +34,12 @@ def stored(hashes: list[int], medium: str | None = "GPU", **kw: object) -> Block
     return BlockStored(hashes, None, tokens, kw.pop("block_size", 4), medium=medium, **kw)  # type: ignore[arg-type]
 
 
+def writes(plan: Plan) -> list[tuple[object, ...]]:
+    """The plan's hash writes (descriptors left out); group 0 written as (op, tier, hashes)."""
+    return [(op, tier, vals) if g == 0 else (op, tier, g, vals)
+            for op, tier, g, vals in plan.ops.ops if op not in ("D", "H")]
+
+
 def batch(*events: object, skipped: list[SkippedEvent] | None = None) -> EventBatch:
     return EventBatch(1.0, list(events), 0, skipped or [], "map")  # type: ignore[arg-type]
 
@@ -40,7 +47,7 @@ def batch(*events: object, skipped: list[SkippedEvent] | None = None) -> EventBa
 def test_ops_follow_event_order_and_merge_runs() -> None:
     plan = plan_ops(batch(stored([1, 2]), stored([3]), BlockRemoved([1], medium="GPU"),
                           AllBlocksCleared(), stored([4])))
-    assert plan.ops.ops == [("S", "l1", [1, 2, 3]), ("R", "l1", [1]), ("C", "l1", []),
+    assert writes(plan) == [("S", "l1", [1, 2, 3]), ("R", "l1", [1]), ("C", "l1", []),
                             ("S", "l1", [4])]
     assert plan.outcomes[("BlockStored", "l1")] == 3
     assert plan.hash_updates["l1"] == 5
@@ -48,7 +55,7 @@ def test_ops_follow_event_order_and_merge_runs() -> None:
 
 def test_duplicate_store_is_two_ops_not_a_set() -> None:
     plan = plan_ops(batch(stored([7]), stored([7]), BlockRemoved([7])))
-    assert plan.ops.ops == [("S", "l1", [7, 7]), ("R", "l1", [7])]
+    assert writes(plan) == [("S", "l1", [7, 7]), ("R", "l1", [7])]
 
 
 @pytest.mark.parametrize(("medium", "tier"), [
@@ -58,37 +65,60 @@ def test_duplicate_store_is_two_ops_not_a_set() -> None:
 def test_medium_policy(medium: str | None, tier: str) -> None:
     assert tier_for_medium(medium) == tier
     plan = plan_ops(batch(stored([5], medium=medium), BlockRemoved([6], medium=medium)))
-    assert plan.ops.ops == [("S", tier, [5]), ("R", tier, [6])]
+    assert writes(plan) == [("S", tier, [5]), ("R", tier, [6])]
     assert sum(plan.other_media.values()) == (0 if tier == "l1" else 2)
 
 
-@pytest.mark.parametrize(("group", "kind", "indexed"), [
-    (None, None, True), (0, None, True), (0, "full_attention", True), (0, "mla_attention", True),
-    (1, "full_attention", False), (0, "sliding_window", False), (0, "mamba", False),
-    (None, "chunked_local_attention", False), (2, None, False),
+@pytest.mark.parametrize(("group", "kind"), [
+    (None, None), (0, None), (0, "full_attention"), (0, "mla_attention"),
+    (1, "full_attention"), (0, "sliding_window"), (0, "mamba"), (3, "sink_full_attention"),
+    (None, "chunked_local_attention"), (2, None), (5, "unknown"),
 ])
-def test_group_policy(group: int | None, kind: str | None, indexed: bool) -> None:
-    assert in_prefix_group(group, kind) is indexed
-    plan = plan_ops(batch(stored([9], group_idx=group, kv_cache_spec_kind=kind)))
-    assert plan.ops.ops == ([("S", "l1", [9])] if indexed else [])
-    assert plan.outcomes[("BlockStored", "l1" if indexed else "other_group")] == 1
+def test_every_group_is_indexed_in_its_own_set(group: int | None, kind: str | None) -> None:
+    plan = plan_ops(batch(stored([9], group_idx=group, kv_cache_spec_kind=kind,
+                                 kv_cache_spec_sliding_window=64 if kind == "sliding_window"
+                                 else None)))
+    g = group or 0
+    assert writes(plan) == ([("S", "l1", [9])] if g == 0 else [("S", "l1", g, [9])])
+    assert plan.ops.ops[0] == ("D", "", g, [kind or "-", 4,
+                                            64 if kind == "sliding_window" else ""])
+    assert plan.outcomes[("BlockStored", "l1")] == 1
 
 
-def test_removed_of_another_group_is_not_indexed() -> None:
-    plan = plan_ops(batch(BlockRemoved([9], medium="GPU", group_idx=1)))
-    assert plan.ops.ops == [] and plan.outcomes[("BlockRemoved", "other_group")] == 1
+def test_removes_go_to_their_group_and_negative_groups_are_skipped() -> None:
+    plan = plan_ops(batch(BlockRemoved([9], medium="GPU", group_idx=1),
+                          BlockRemoved([8], medium="GPU", group_idx=-1)))
+    assert writes(plan) == [("R", "l1", 1, [9])]
+    assert plan.outcomes[("BlockRemoved", "l1")] == 1
+    assert plan.outcomes[("BlockRemoved", "skipped:bad_group")] == 1
+
+
+def test_sparse_stores_are_applied_and_described_once_per_batch() -> None:
+    """A sliding-window group's store lists only the kept blocks (or none) over its whole
+    token span; each group's descriptor goes once per batch, the settings once after them."""
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window",
+           "kv_cache_spec_sliding_window": 64}
+    plan = plan_ops(batch(stored([], token_ids=list(range(12)), **swa),
+                          stored([3, 4], token_ids=list(range(16)), **swa),
+                          stored([1, 2, 3, 4], group_idx=2, kv_cache_spec_kind="full_attention")),
+                    GroupSettings(16, 0, 2))
+    assert writes(plan) == [("S", "l1", [3, 4]), ("S", "l1", 2, [1, 2, 3, 4])]
+    assert [op for op in plan.ops.ops if op[0] in ("D", "H")] == [
+        ("D", "", 0, ["sliding_window", 4, 64]), ("D", "", 2, ["full_attention", 4, ""]),
+        ("H", "", 0, [16, 0, 2])]
+    assert plan.outcomes[("BlockStored", "l1")] == 3
 
 
 def test_placeholder_stores_are_not_indexed_but_real_ones_after_them_are() -> None:
     plan = plan_ops(batch(stored([1], medium="CPU", token_ids=[], block_size=0), stored([2])))
-    assert plan.ops.ops == [("S", "l1", [2])]
+    assert writes(plan) == [("S", "l1", [2])]
     assert plan.outcomes[("BlockStored", "placeholder")] == 1
 
 
 def test_bytes_hashes_are_keyed_by_their_last_8_bytes() -> None:
     digest = bytes(range(32))
     plan = plan_ops(batch(stored([digest])))
-    assert plan.ops.ops == [("S", "l1", [int.from_bytes(digest[-8:], "big")])]
+    assert writes(plan) == [("S", "l1", [int.from_bytes(digest[-8:], "big")])]
 
 
 def test_skipped_events_are_counted_and_do_not_stop_the_rest() -> None:
@@ -98,7 +128,7 @@ def test_skipped_events_are_counted_and_do_not_stop_the_rest() -> None:
                             vllm_version=version)
         decoded = decode_batch(good.replace(b"BlockStored", b"BlockStorex", 1))
         plan = plan_ops(decoded)
-        assert plan.ops.ops == [("S", "l1", [2])]
+        assert writes(plan) == [("S", "l1", [2])]
         assert plan.outcomes[("unknown", "skipped:unknown_type")] == 1
 
 
@@ -212,4 +242,4 @@ def test_only_an_event_without_tokens_and_block_size_is_a_placeholder() -> None:
                           stored([2], token_ids=[], block_size=4),
                           stored([3], token_ids=[1, 2, 3, 4], block_size=0)))
     assert plan.outcomes == {("BlockStored", "placeholder"): 1, ("BlockStored", "l1"): 2}
-    assert plan.ops.ops == [("S", "l1", [2, 3])]
+    assert writes(plan) == [("S", "l1", [2, 3])]

@@ -140,14 +140,77 @@ def test_budget_bounds_the_blocks_checked() -> None:
     assert checker.ok == 6
 
 
-def test_unverified_parents_and_other_groups_are_not_checked() -> None:
+def test_unverified_parents_are_not_checked_and_other_groups_are() -> None:
     checker = _checker()
     stored = _model_events("0.28.0", salt=None)[0]
     assert isinstance(stored, BlockStored)
     orphan = BlockStored([stored.block_hashes[1]], 12345, stored.token_ids[16:32], 16)
-    other = BlockStored(stored.block_hashes[:1], None, stored.token_ids[:16], 16, group_idx=1)
-    checker.offer([orphan, other])
+    checker.offer([orphan])
     assert (checker.verdict, checker.ok, checker.mismatch) == (UNCHECKED, 0, 0)
+    other = BlockStored(stored.block_hashes[:1], None, stored.token_ids[:16], 16, group_idx=3,
+                        kv_cache_spec_kind="full_attention")
+    checker.offer([other])
+    assert (checker.verdict, checker.ok, checker.mismatch) == (OK, 1, 0)
+
+
+def _chain(tokens: list[int], unit: int, parent: bytes | None = None) -> list[int]:
+    """vLLM's event integers of ``tokens`` chained at ``unit`` (seed "0", sha256_cbor)."""
+    from common.blockhash import chain_digests, to_event_int
+    from services.l1_ingest.hashcheck import _none_hash
+
+    root = parent or _none_hash("sha256_cbor", "0")
+    digests = chain_digests("sha256_cbor", root, tokens, unit, [None] * (len(tokens) // unit))
+    return [to_event_int(d) for d in digests]
+
+
+TOKENS = list(range(300, 300 + 8 * 16))
+SWA = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window",
+       "kv_cache_spec_sliding_window": 32}
+
+
+def test_sparse_sliding_window_stores_chain_from_a_parent_of_any_group() -> None:
+    """vLLM's sliding-window group stores only the kept blocks of a span; the span's parent
+    is a block its own group may never have stored, verified through the FA group."""
+    h = _chain(TOKENS, 16)
+    checker = _checker()
+    checker.offer([BlockStored(h[:4], None, TOKENS[:64], 16, group_idx=1,
+                               kv_cache_spec_kind="full_attention")])
+    assert checker.ok == 4
+    sparse = BlockStored([h[6], h[7]], h[3], TOKENS[64:], 16, **SWA)  # type: ignore[arg-type]
+    none_kept = BlockStored([], h[3], TOKENS[64:96], 16, **SWA)  # type: ignore[arg-type]
+    checker.offer([none_kept, sparse])
+    assert (checker.verdict, checker.ok, checker.mismatch) == (OK, 6, 0)
+    bad = BlockStored([h[7], h[6]], h[3], TOKENS[64:], 16, **SWA)  # type: ignore[arg-type]
+    checker.offer([bad])  # not in chain order: not a subsequence
+    assert checker.verdict == MISMATCH and "KV-cache group 0" in checker.detail
+
+
+def test_a_null_parent_is_the_root_only_for_full_attention() -> None:
+    h = _chain(TOKENS, 16)
+    checker = _checker()
+    # the first kept block of a later span: vLLM sends no parent (it is not in the group)
+    checker.offer([BlockStored([h[5]], None, TOKENS[64:96], 16, **SWA)])  # type: ignore[arg-type]
+    assert (checker.verdict, checker.ok, checker.mismatch) == (UNCHECKED, 0, 0)
+
+
+def test_coarse_blocks_are_checked_at_the_hash_unit() -> None:
+    """Block size 64 over a prefix-match unit of 16: the published value of a block is the
+    chain's value at 16 at its end, found only when the unit is known."""
+    fine = _chain(TOKENS, 16)
+    coarse = [fine[3], fine[7]]
+    event = BlockStored(coarse, None, TOKENS, 64, group_idx=1,
+                        kv_cache_spec_kind="full_attention")
+    configured = _checker(hash_unit=16)
+    configured.offer([event])
+    assert (configured.verdict, configured.ok) == (OK, 2)
+    derived = _checker()  # only B = 64 seen: the unit is taken to be 64, which is wrong
+    derived.offer([event])
+    assert derived.verdict == MISMATCH and "prefixMatchUnit" in derived.detail
+    partial = BlockStored([fine[0]], None, TOKENS[:16], 16, group_idx=1,
+                          kv_cache_spec_kind="full_attention")
+    learns = _checker()  # a partial entry (block_size = h) reveals the unit
+    learns.offer([partial, event])
+    assert (learns.verdict, learns.ok, learns.unit) == (OK, 3, 16)
 
 
 def test_lora_on_tagged_releases_is_unchecked_with_a_reason() -> None:

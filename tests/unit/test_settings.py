@@ -164,7 +164,7 @@ def test_api_settings(cfg: Config) -> None:
         read_header_timeout=12.0, read_timeout=31.0, write_timeout=32.0, idle_timeout=121.0,
         max_header_bytes=65536, max_hit_rate_body_bytes=1000000, max_candidates=64,
         hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
-        instance_limits=Limits(no_events_after=45.0, lease_ttl=8.0),  # the ingesters' keys
+        instance_limits=Limits(no_events_after=45.0, lease_ttl=8.0, vllm_version=(0, 18, 0)),
         log_level="debug")
 
 

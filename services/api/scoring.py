@@ -1,0 +1,213 @@
+"""Per candidate instance: which sets to read, and its hit by vLLM's rule (L1 and L3).
+
+An instance's KV-cache groups are what the L1 ingester learned from its events
+(``ci:{ip}:l1:groups``, :mod:`common.keys`); the L3 poller's ``groups`` field says which
+group sets Mooncake holds. :func:`parse_view` turns both into a :class:`View`: a
+**single-group** view (no descriptor, or one full-attention-family group 0) reads exactly
+what the contract's rule needs — one SMISMEMBER of the request's blocks per tier — and
+answers the longest run from block 0 as before; a **hybrid** view reads each group's set
+at the positions :func:`common.hit_rule.probe_indices` names and answers
+:func:`common.hit_rule.hit_tokens`. Views are cached per instance (:class:`ViewCache`);
+every round trip also re-reads the descriptors, and a candidate whose descriptors changed
+is read again with its new view in a second round trip (at most one per request).
+
+An answer is exact or a lower bound, never above what vLLM reuses; :attr:`View.reasons`
+says why one is only a lower bound (``docs/design.md``, "KV-cache groups").
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from common import hit_rule, keys
+from common.group_view import UNCONFIRMED_UNIT, parse_groups
+from common.hit_rule import Rule
+from common.store import Reads, Store
+
+Chain = Callable[[int], Sequence[bytes]]
+"""Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
+
+CACHE_SIZE = 65_536
+"""Instances whose view an API worker keeps."""
+
+L3_GROUPS_UNKNOWN = "l3_groups_unknown"
+"""Mooncake holds groups the events never described: no rule can be run (answers 0)."""
+BLOCK_SIZE_DIFFERS = "request_block_size_differs"
+"""A single-group instance whose block size is not the request's: nothing can match."""
+
+
+@dataclass(frozen=True)
+class View:
+    """What one API worker knows of an instance's groups; ``raw`` is what it was built
+    from (compared with every fresh read)."""
+
+    raw: tuple[tuple[tuple[str, str], ...], str]
+    l1_groups: tuple[int, ...] = (0,)
+    l3_groups: tuple[int, ...] = (0,)
+    rule: Rule | None = None
+    """None: single group, the contract's longest-prefix rule."""
+    block_size: int = 0
+    """The single group's block size as learned (0 = not known yet)."""
+    reasons: tuple[str, ...] = ()
+    l3_reasons: tuple[str, ...] = ()
+    check_unit: bool = False
+    """A hybrid whose hash unit is derived: exact only once the self-check verified it."""
+
+
+EMPTY = View(raw=((), "0"))
+
+
+def parse_view(fields: dict[str, str], l3_groups: str | None,
+               vllm_version: tuple[int, ...]) -> View:
+    """The view of an instance from its descriptor hash and its l3 ``groups`` field."""
+    raw = (tuple(sorted(fields.items())), l3_groups or "0")
+    l3_ids = tuple(sorted({int(g) for g in raw[1].split(",") if g.isdigit()})) or (0,)
+    groups = parse_groups(fields, vllm_version)
+    if not groups.hybrid:
+        if l3_ids == (0,):
+            return View(raw, block_size=groups.hash_unit)
+        return View(raw, block_size=groups.hash_unit, l3_groups=(),
+                    l3_reasons=(L3_GROUPS_UNKNOWN,))
+    if groups.rule is None:
+        return View(raw, l1_groups=(), l3_groups=(), reasons=groups.reasons,
+                    l3_reasons=groups.reasons)
+    ids = groups.ids
+    l3_read, l3_reasons = ids, groups.reasons
+    if not set(l3_ids) <= set(ids):
+        l3_read, l3_reasons = (), (L3_GROUPS_UNKNOWN,)
+    return View(raw, l1_groups=ids, l3_groups=l3_read, rule=groups.rule,
+                reasons=groups.reasons, l3_reasons=l3_reasons,
+                check_unit=not groups.unit_from_config)
+
+
+class ViewCache:
+    """Views by instance, least recently refreshed dropped first (bounded)."""
+
+    def __init__(self, size: int = CACHE_SIZE) -> None:
+        self.size = size
+        self._views: OrderedDict[str, View] = OrderedDict()
+
+    def get(self, ip: str) -> View:
+        return self._views.get(ip, EMPTY)
+
+    def put(self, ip: str, view: View) -> None:
+        self._views[ip] = view
+        self._views.move_to_end(ip)
+        if len(self._views) > self.size:
+            self._views.popitem(last=False)
+
+
+@dataclass
+class Hit:
+    """One tier's answer for one instance: tokens, exactness and why not."""
+
+    tokens: int
+    ratio: float
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass
+class Slots:
+    """Where one candidate's replies are in the round trip."""
+
+    groups: int
+    l3_groups: int
+    hash_check: int | None
+    l1: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    l3: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+
+
+class Scorer:
+    """The hits of every candidate of one request (see the module docstring)."""
+
+    def __init__(self, num_tokens: int, block_size: int, chain: Chain,
+                 store: Store | None = None) -> None:
+        self.num_tokens, self.block_size, self.chain = num_tokens, block_size, chain
+        self.store = store
+        self.n = num_tokens // block_size
+        self._blobs: dict[tuple[int, Any], int] = {}
+        self.reads = Reads()
+
+    def fresh(self) -> Scorer:
+        """A scorer for a further round trip of the same request (same hash chains)."""
+        return Scorer(self.num_tokens, self.block_size, self.chain, self.store)
+
+    def store_execute(self) -> list[Any]:
+        assert self.store is not None
+        return self.store.execute(self.reads)
+
+    def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Slots:
+        """Queue the candidate's reads for ``view`` (and its descriptors, to check it)."""
+        r = self.reads
+        slots = Slots(r.hgetall(keys.l1_groups(ip)) if descriptors else -1,
+                      r.hget(keys.l3_state(ip), "groups") if descriptors else -1,
+                      r.hget(keys.l1_state(ip), "hash_check") if view.check_unit else None)
+        if view.rule is None:
+            if self.n:
+                blob = self._blob(self.block_size, range(self.n))
+                slots.l1.append((r.smismember(keys.tier_set(ip, "l1"), blob), range(self.n)))
+                if view.l3_groups:
+                    slots.l3.append((r.smismember(keys.l3_set(ip), blob), range(self.n)))
+            return slots
+        rule, unit = view.rule, view.rule.hash_unit
+        for pos, gid in enumerate(view.l1_groups):
+            idx = hit_rule.probe_indices(rule, pos, self.num_tokens)
+            if not len(idx):
+                slots.l1.append((-1, idx))
+                slots.l3.append((-1, idx))
+                continue
+            blob = self._blob(unit, idx)
+            slots.l1.append((r.smismember(keys.tier_group_set(ip, "l1", gid), blob), idx))
+            if view.l3_groups:
+                slots.l3.append((r.smismember(keys.l3_group_set(ip, gid), blob), idx))
+        return slots
+
+    def _blob(self, unit: int, idx: Sequence[int]) -> int:
+        key = (unit, (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tuple(idx))
+        found = self._blobs.get(key)
+        if found is None:
+            members = self.chain(unit)
+            picked = members[: len(idx)] if isinstance(idx, range) and idx.start == 0 \
+                and idx.step == 1 else [members[i] for i in idx]
+            found = self._blobs[key] = self.reads.members(picked)
+        return found
+
+    def evaluate(self, view: View, slots: Slots, replies: list[Any]) -> tuple[Hit, Hit]:
+        """The (L1, L3) hits of one candidate from its replies."""
+        extra: tuple[str, ...] = ()
+        if slots.hash_check is not None and replies[slots.hash_check] != "ok":
+            extra = (UNCONFIRMED_UNIT,)
+        l1 = self._tier(view, slots.l1, replies, view.reasons + extra, bool(view.l1_groups))
+        l3 = self._tier(view, slots.l3, replies, view.l3_reasons + extra, bool(view.l3_groups))
+        return l1, l3
+
+    def _tier(self, view: View, slots: list[tuple[int, Sequence[int]]], replies: list[Any],
+              reasons: tuple[str, ...], readable: bool) -> Hit:
+        n, size = self.n, self.block_size
+        if not n or not readable or not slots:
+            return Hit(0, 0.0, reasons)
+        if view.rule is None:
+            run = _run_length(replies[slots[0][0]])
+            if view.block_size and view.block_size != size:
+                reasons += (BLOCK_SIZE_DIFFERS,)
+            return Hit(min(run, (self.num_tokens - 1) // size) * size, run / n, reasons)
+        m = self.num_tokens // view.rule.hash_unit
+        present: list[list[int]] = []
+        for slot, idx in slots:
+            flags = [0] * m
+            if slot >= 0:
+                for i, f in zip(idx, replies[slot]):
+                    flags[i] = f
+            present.append(flags)
+        tokens = hit_rule.hit_tokens(view.rule, self.num_tokens, present)
+        return Hit(tokens, min(tokens, n * size) / (n * size), reasons)
+
+
+def _run_length(flags: list[int]) -> int:
+    try:
+        return flags.index(0)
+    except ValueError:
+        return len(flags)
