@@ -29,7 +29,7 @@ _RED, _YELLOW, _RESET = "\033[31m", "\033[33m", "\033[0m"
 _BAD_STATES = {InstanceState.UNASSIGNED, InstanceState.UNREACHABLE, InstanceState.NO_EVENTS,
                InstanceState.GAP}
 _INSTANCE_COLS = ("SERVER_IP", "POD", "L1_STATE", "L1_BLOCKS", "HASH_CHECK", "LAST_EVENT",
-                  "GAPS", "INGESTER", "L3_BLOCKS", "L3_AGE", "NOTE")  # fmt: skip
+                  "GAPS", "INGESTER", "L3_BLOCKS", "L3_AGE", "KV_GROUPS", "NOTE")  # fmt: skip
 _MASTER_COLS = ("MASTER", "KEYS", "UNPARSED", "SAMPLE_UNPARSED", "AGE", "STALE", "ERROR")
 
 
@@ -86,7 +86,23 @@ def _instance_row(inst: dict[str, Any]) -> list[str]:
             f"{l1['hash_check']} ({l1['hash_check_ok']}/{l1['hash_check_mismatch']})",
             _secs(l1["last_event_age_s"]), str(l1["gaps"]), l1["ingester"] or "-",
             "-" if l3["blocks"] is None else str(l3["blocks"]) + (" stale" if l3["stale"] else ""),
-            _secs(l3["age_s"]), note or "-"]  # fmt: skip
+            _secs(l3["age_s"]), _groups_cell(inst.get("groups") or {}), note or "-"]  # fmt: skip
+
+
+_KIND_SHORT = {"full_attention": "FA", "mla_attention": "MLA", "sink_full_attention": "SINK",
+               "sliding_window": "SWA", "sliding_window_mla": "SWA-MLA", "mamba": "MAMBA",
+               "chunked_local_attention": "CHUNK"}
+
+
+def _groups_cell(groups: dict[str, Any]) -> str:
+    """``1`` for a single-group model; else the groups' kinds, hash unit and exactness."""
+    if not groups.get("hybrid"):
+        return "1"
+    kinds = "+".join(_KIND_SHORT.get(g["kind"], g["kind"] or "?")
+                     for g in groups.get("kv_cache_groups", []))
+    exact = "exact" if groups.get("exact") else \
+        "lower bound: " + ",".join(groups.get("inexact_reasons", []))
+    return f"{kinds} h{groups.get('hash_unit')} {exact}"
 
 
 def _instance_problem(inst: dict[str, Any]) -> str:

@@ -57,9 +57,11 @@ def test_connector_event_on_the_wire_is_an_array_and_goes_to_l2() -> None:
     batch = decode_batch(payload)
     assert batch.form == "array" and not batch.skipped
     assert [e.medium for e in batch.events] == ["GPU", "cpu"]  # type: ignore[union-attr]
-    assert plan_ops(batch).ops.ops == [("S", "l1", [u64]), ("S", "l2", [u64])]
+    writes = [op for op in plan_ops(batch).ops.ops if op[0] == "S"]
+    assert writes == [("S", "l1", 0, [u64]), ("S", "l2", 0, [u64])]
     v13 = msgpack.packb([1.5, [event[:7]], None])  # vLLM 0.13: no lora_name/extra_keys yet
-    assert plan_ops(decode_batch(v13)).ops.ops == [("S", "l2", [u64])]
+    assert [op for op in plan_ops(decode_batch(v13)).ops.ops if op[0] == "S"] == [
+        ("S", "l2", 0, [u64])]
 
 
 def test_connector_events_follow_the_gpu_stores() -> None:

@@ -110,10 +110,14 @@ def test_event_semantics_copies_media_groups_and_bad_input(
         return BlockStored([h], None, list(range(16)), 16, **kw)  # type: ignore[arg-type]
 
     sim.emit([stored(1), stored(1), stored(2, medium=None), stored(3, medium="cpu"),
-              stored(4, group_idx=1), stored(5, kv_cache_spec_kind="sliding_window"),
+              stored(4, group_idx=1), stored(5, group_idx=2, kv_cache_spec_kind="sliding_window",
+                                             kv_cache_spec_sliding_window=64),
               BlockStored([6], None, [], 0, medium="GPU"), BlockRemoved([1], medium="GPU")])
     wait_quiet(store, IP, sim)
     assert store.tier_counts(IP, "l1") == {1: 1, 2: 1}  # stored twice, removed once: held
+    assert store.tier_members(IP, "l1", 1) == {4}  # other KV-cache groups: their own sets
+    assert store.tier_members(IP, "l1", 2) == {5}
+    assert store.groups(IP)["2"] == "sliding_window,16,64,16"
     assert store.tier_members(IP, "l2") == {3}
     # An unknown event between good ones is skipped; the rest of the batch still applies.
     good = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash":

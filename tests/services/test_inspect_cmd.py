@@ -85,3 +85,20 @@ def test_unreachable_redis_exits_1_and_bad_config_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("ingest:\n  l1:\n    hashCheckRate: -1\n", encoding="utf-8")
     assert inspect_cmd.main(["--config", str(bad)], io.StringIO()) == 2
+
+
+def test_a_hybrid_shows_its_groups_and_exactness() -> None:
+    inst = {"server_ip": "10.0.0.9", "pod": "g", "l1": {
+        "state": "synced", "state_detail": "", "blocks": 3, "hash_check": "unchecked",
+        "hash_check_ok": 0, "hash_check_mismatch": 0, "hash_check_detail": "",
+        "last_event_age_s": 1.0, "gaps": 0, "ingester": "i"},
+        "l3": {"blocks": None, "age_s": None, "stale": False, "master": None},
+        "groups": {"hybrid": True, "hash_unit": 32, "exact": False,
+                   "inexact_reasons": ["unconfirmed_hash_unit"],
+                   "kv_cache_groups": [{"kind": "sliding_window"}, {"kind": "mamba"},
+                                       {"kind": "full_attention"}]}}
+    text = inspect_cmd.render_table({"instances": [inst], "masters": []})
+    assert "KV_GROUPS" in text.splitlines()[0]
+    assert "SWA+MAMBA+FA h32 lower bound: unconfirmed_hash_unit" in text
+    inst["groups"] = {"hybrid": False}
+    assert " 1 " in inspect_cmd.render_table({"instances": [inst], "masters": []})
