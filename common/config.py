@@ -121,6 +121,9 @@ class Labels:
     pd_role_value: list[str] = _f(lambda: ["prefill", "aggregate"])
     kv_manager_key: str = "openfuyao.com/kvmanager"
     kv_manager_value: str = "mooncake"
+    model_key: str = ""
+    """This project's own: the pod label naming the served model (matched against
+    ``ingest.l1.models``); empty = not read."""
 
 
 @dataclass
@@ -148,6 +151,7 @@ class StaticVLLM:
     data_parallel_size: int = 1
     name: str = ""
     role: str = ""
+    model: str = ""
 
 
 @dataclass
@@ -188,6 +192,16 @@ class IngestL1:
     replay_timeout: Duration = _f(Duration(5))
     hash_check_rate: int = 100
     no_events_after: Duration = _f(Duration(30))
+    prefix_match_unit: int = 0
+    attention_chunk_size: int = 0
+    models: list[L1Model] = _f(list)
+
+
+@dataclass
+class L1Model:
+    """``ingest.l1.models[]``: hybrid-model settings for the instances serving one model."""
+
+    name: str = ""
     prefix_match_unit: int = 0
     attention_chunk_size: int = 0
 
@@ -325,10 +339,19 @@ def _build(cls: Any, raw: Any, path: str, problems: list[str]) -> Any:
 
 def _check_token_counts(cfg: Config, problems: list[str]) -> None:
     l1 = cfg.ingest.l1
-    for camel, value in (("prefixMatchUnit", l1.prefix_match_unit),
-                         ("attentionChunkSize", l1.attention_chunk_size)):
-        if value < 0:
-            problems.append(f"ingest.l1.{camel}: must be 0 (unknown) or a number of tokens")
+    entries: list[tuple[str, IngestL1 | L1Model]] = [("ingest.l1", l1)]
+    entries += [(f"ingest.l1.models[{i}]", m) for i, m in enumerate(l1.models)]
+    for where, entry in entries:
+        for camel, value in (("prefixMatchUnit", entry.prefix_match_unit),
+                             ("attentionChunkSize", entry.attention_chunk_size)):
+            if value < 0:
+                problems.append(f"{where}.{camel}: must be 0 (unknown) or a number of tokens")
+    names = [m.name for m in l1.models]
+    for i, name in enumerate(names):
+        if not name:
+            problems.append(f"ingest.l1.models[{i}].name: must be the served model's name")
+        elif name in names[:i]:
+            problems.append(f"ingest.l1.models[{i}].name: {name!r} is listed twice")
 
 
 def _check_values(cfg: Config, problems: list[str]) -> None:

@@ -33,11 +33,13 @@ from common.config import (
     KEY_FORMATS,
     Config,
     DiscoveryVLLM,
+    L1Model,
     L3Model,
     Labels,
     MooncakeMaster,
     Redis,
     Static,
+    model_basename,
 )
 from common.status_report import Limits
 
@@ -120,6 +122,18 @@ class L1IngestSettings:
     """vLLM's ``--prefix-match-unit`` of hybrid models (0 = derive it from the events)."""
     attention_chunk_size: int = 0
     """Chunk size of chunked-local attention groups (0 = unknown: answers a lower bound)."""
+    models: tuple[L1Model, ...] = ()
+    """Per-model overrides of the two above (``ingest.l1.models``), by the instance's model."""
+
+    def hybrid_settings(self, model: str) -> tuple[int, int]:
+        """(prefix-match unit, chunk size) for an instance serving ``model``: its entry in
+        ``ingest.l1.models`` (matched as given or by basename), else the defaults."""
+        base = model_basename(model) if model else ""
+        for entry in self.models:
+            if model and (entry.name == model or model_basename(entry.name) == base):
+                return (entry.prefix_match_unit or self.prefix_match_unit,
+                        entry.attention_chunk_size or self.attention_chunk_size)
+        return self.prefix_match_unit, self.attention_chunk_size
 
     @classmethod
     def from_config(cls, cfg: Config) -> L1IngestSettings:
@@ -133,7 +147,7 @@ class L1IngestSettings:
             backoff_max=float(l1.backoff_max), hash_check_rate=l1.hash_check_rate,
             no_events_after=float(l1.no_events_after), hash=hash_settings(cfg),
             prefix_match_unit=l1.prefix_match_unit,
-            attention_chunk_size=l1.attention_chunk_size)
+            attention_chunk_size=l1.attention_chunk_size, models=tuple(l1.models))
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,13 @@ class Instance:
     role: str = ""
     restarts: str = "0"
     gen: int = 0
+    model: str = ""
+    """The served model, when discovery knows it (matched against ``ingest.l1.models``)."""
 
     def meta_fields(self) -> list[str]:
         return [
             "pod", self.pod, "zmq", self.zmq_endpoint, "replay", self.replay_endpoint,
-            "dp", str(self.dp_size), "role", self.role,
+            "dp", str(self.dp_size), "role", self.role, "model", self.model,
         ]
 
     @classmethod
@@ -52,6 +54,7 @@ class Instance:
             zmq_endpoint=meta.get("zmq", ""), replay_endpoint=meta.get("replay", ""),
             dp_size=int(meta.get("dp", "1") or 1), role=meta.get("role", ""),
             restarts=meta.get("restarts", "0"), gen=int(meta.get("gen", "0") or 0),
+            model=meta.get("model", ""),
         )
 
 

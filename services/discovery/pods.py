@@ -53,8 +53,8 @@ def label_problems(labels: Labels) -> list[str]:
     """Config problems that would make the API server reject our label selectors."""
     problems = []
     for name, key in (("engineKey", labels.engine_key), ("pdRoleKey", labels.pd_role_key),
-                      ("kvManagerKey", labels.kv_manager_key)):
-        required = name != "pdRoleKey"  # no role key = any role
+                      ("kvManagerKey", labels.kv_manager_key), ("modelKey", labels.model_key)):
+        required = name not in ("pdRoleKey", "modelKey")  # no role key = any role
         if (key or required) and not _LABEL_KEY.match(key):
             problems.append(f"discovery.labels.{name}: {key!r} is not a label key")
     values = [("engineValue", labels.engine_value), ("kvManagerValue", labels.kv_manager_value)]
@@ -114,6 +114,7 @@ def vllm_instance(pod: Pod, labels: Labels, vllm: DiscoveryVLLM) -> Instance | N
         replay_endpoint=f"tcp://{host_port(ip, replay_port)}" if replay_port > 0 else "",
         dp_size=vllm.data_parallel_size, role=_labels(pod).get(labels.pd_role_key, ""),
         restarts=restart_token(pod, container),
+        model=_labels(pod).get(labels.model_key, "") if labels.model_key else "",
     )
 
 

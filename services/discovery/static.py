@@ -65,7 +65,7 @@ def desired_from(static: Static) -> Desired:
         instances[ip] = Instance(
             ip=ip, uid=static_uid(ip, e.zmq_endpoint, e.replay_endpoint), pod=e.name,
             zmq_endpoint=e.zmq_endpoint, replay_endpoint=e.replay_endpoint,
-            dp_size=e.data_parallel_size, role=e.role, restarts="0")
+            dp_size=e.data_parallel_size, role=e.role, restarts="0", model=e.model)
     masters: dict[str, str] = {}
     for i, m in enumerate(static.mooncake_masters):
         host = _host(m.url)

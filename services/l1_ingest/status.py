@@ -134,7 +134,8 @@ class StatusBoard:
             return InstanceStatus(inst, None)
         try:
             checker = HashChecker(inst.ip, self.settings, self.cfg.hash_check_rate,
-                                  metrics=self.metrics, hash_unit=self.cfg.prefix_match_unit)
+                                  metrics=self.metrics,
+                                  hash_unit=self.cfg.hybrid_settings(inst.model)[0])
         except ConfigError as exc:
             return InstanceStatus(inst, None, f"cannot check: {exc}")
         return InstanceStatus(inst, checker)

@@ -210,8 +210,7 @@ class Subscriber:
             metrics=self.metrics,
             last_digest=(seq, digest) if gen == inst.gen and seq is not None else None,
             status=self.board.of(inst),
-            groups=GroupSettings(self.cfg.prefix_match_unit, self.cfg.attention_chunk_size,
-                                 max(1, inst.dp_size)))
+            groups=GroupSettings(*self.cfg.hybrid_settings(inst.model), max(1, inst.dp_size)))
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)

@@ -180,3 +180,14 @@ def test_static_problems_are_all_reported() -> None:
 def test_fake_server_selector_parsing(selector: str, labels: dict[str, str],
                                       expected: bool) -> None:
     assert parse_selector(selector)(labels) is expected
+
+
+def test_the_served_model_is_read_from_the_configured_label_and_static_entries() -> None:
+    labelled = _pod(labels={**ENGINE, "example.com/model": "Qwen3.5-4B"})
+    assert pods.vllm_instance(labelled, LABELS, VLLM).model == ""  # type: ignore[union-attr]
+    with_key = Labels(model_key="example.com/model")
+    assert pods.vllm_instance(labelled, with_key, VLLM).model == "Qwen3.5-4B"  # type: ignore[union-attr]
+    assert pods.label_problems(Labels(model_key="bad key!")) != []
+    desired = desired_from(Static(vllm=[StaticVLLM(ip="10.0.0.3", zmq_endpoint="tcp://10.0.0.3:5557",
+                                                   model="gemma-3")]))
+    assert desired.instances is not None and desired.instances["10.0.0.3"].model == "gemma-3"

@@ -180,3 +180,30 @@ def test_an_unusable_block_key_is_refused_at_the_edge(tmp_path: Path) -> None:
 def test_settings_are_frozen() -> None:
     with pytest.raises(AttributeError):
         L1IngestSettings().topic = "x"  # type: ignore[misc]
+
+
+def test_hybrid_settings_per_model(tmp_path: Path) -> None:
+    """``ingest.l1.models`` overrides the unit and chunk size for the instances of a model,
+    matched as written or by basename; others get the defaults."""
+    path = tmp_path / "c.yaml"
+    path.write_text("ingest:\n  l1:\n    prefixMatchUnit: 32\n    models:\n"
+                    "      - {name: Qwen/Qwen3.5-4B, prefixMatchUnit: 16}\n"
+                    "      - {name: llama4, attentionChunkSize: 8192}\n")
+    s = L1IngestSettings.from_config(load_config(path))
+    assert s.hybrid_settings("Qwen/Qwen3.5-4B") == (16, 0)
+    assert s.hybrid_settings("/models/Qwen3.5-4B") == (16, 0)
+    assert s.hybrid_settings("llama4") == (32, 8192)
+    assert s.hybrid_settings("") == s.hybrid_settings("other") == (32, 0)
+
+
+def test_hybrid_settings_are_validated(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("ingest:\n  l1:\n    attentionChunkSize: -1\n    models:\n"
+                    "      - {name: m, prefixMatchUnit: -16}\n      - {name: m}\n"
+                    "      - {prefixMatchUnit: 16}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    for problem in ("ingest.l1.attentionChunkSize", "ingest.l1.models[0].prefixMatchUnit",
+                    "ingest.l1.models[1].name: 'm' is listed twice", "ingest.l1.models[2].name"):
+        assert problem in text, text
