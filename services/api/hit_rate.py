@@ -35,7 +35,7 @@ import redis
 from common.errors import RequestError
 from common.store import Store
 from services.api.api_metrics import ApiMetrics
-from services.api.scoring import Hit, Scorer, ViewCache, parse_view
+from services.api.scoring import Hit, Scorer, ViewCache, parse_view, raw_of
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +247,10 @@ def _read_hits(ips: list[str], scorer: Scorer, views: ViewCache,
     out, changed = {}, {}
     for ip in ips:
         s = slots[ip]
-        fresh = parse_view(replies[s.groups], replies[s.l3_groups], vllm_version)
-        if fresh.raw == old[ip].raw:
+        if raw_of(replies[s.groups], replies[s.l3_groups]) == old[ip].raw:
             out[ip] = scorer.evaluate(old[ip], s, replies)
         else:
+            fresh = parse_view(replies[s.groups], replies[s.l3_groups], vllm_version)
             views.put(ip, fresh)
             changed[ip] = fresh
     if changed:

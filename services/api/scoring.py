@@ -60,10 +60,15 @@ class View:
 EMPTY = View(raw=((), "0"))
 
 
+def raw_of(fields: dict[str, str], l3_groups: str | None) -> tuple[Any, str]:
+    """What a view is built from, comparable with :attr:`View.raw` (cheap: no parsing)."""
+    return tuple(sorted(fields.items())), l3_groups or "0"
+
+
 def parse_view(fields: dict[str, str], l3_groups: str | None,
                vllm_version: tuple[int, ...]) -> View:
     """The view of an instance from its descriptor hash and its l3 ``groups`` field."""
-    raw = (tuple(sorted(fields.items())), l3_groups or "0")
+    raw = raw_of(fields, l3_groups)
     l3_ids = tuple(sorted({int(g) for g in raw[1].split(",") if g.isdigit()})) or (0,)
     groups = parse_groups(fields, vllm_version)
     if not groups.hybrid:
@@ -197,11 +202,16 @@ class Scorer:
         m = self.num_tokens // view.rule.hash_unit
         present: list[list[int]] = []
         for slot, idx in slots:
-            flags = [0] * m
-            if slot >= 0:
+            if slot < 0:
+                present.append([0] * m)
+            elif isinstance(idx, range) and idx.start == 0 and idx.step == 1:
+                reply = replies[slot]  # the common case: every index from 0
+                present.append(reply + [0] * (m - len(reply)) if len(reply) < m else reply)
+            else:
+                flags = [0] * m
                 for i, f in zip(idx, replies[slot]):
                     flags[i] = f
-            present.append(flags)
+                present.append(flags)
         tokens = hit_rule.hit_tokens(view.rule, self.num_tokens, present)
         return Hit(tokens, min(tokens, n * size) / (n * size), reasons)
 
