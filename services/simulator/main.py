@@ -15,28 +15,57 @@ can see, since vLLM sends nothing until its next step. ``--linger S`` keeps the 
 simulated vLLM goes away. ``--engine vllm-ascend`` plays vllm-ascend:
 vLLM's events in the paired release's encoding (``--vllm-version`` defaults to 0.18.0, i.e.
 vllm-ascend v0.18.0) plus its store connector's ``BlockStored(medium="cpu")`` per pooled block.
+
+``--model-shape`` plays a hybrid model's KV-cache groups (:mod:`services.simulator.shapes`):
+``dense`` (the default: one ``full_attention`` group 0, exactly as before), ``gemma3`` (groups
+0, 1 ``sliding_window`` with window 64, 2 ``full_attention``), ``qwen3next`` (0 ``mamba``,
+1 ``full_attention``) or ``gptoss`` (0 ``sliding_window`` with window 128, 1
+``full_attention``), all at ``--block-size`` on one hash chain. Each group publishes as vLLM
+does (:mod:`services.simulator.hybrid_model`): one ``BlockStored`` per group per step with
+``group_idx``, kind, window and block size, ``token_ids`` for every new full block but hashes
+only for the blocks the group keeps (a sliding window its tail before the prompt's last token,
+Mamba one state per prefill chunk), and a ``BlockRemoved`` with ``group_idx`` per evicted
+block. ``--prefill-chunk N`` splits prefills into N-token chunks (hybrids only). Hybrids need
+``--vllm-version`` >= 0.22; the state file then lists the groups and each group's residency
+(``gpu_groups``), from which vLLM's hit follows (``shapes.state_hit_tokens``).
+``--warm-prompt-file F`` serves the token ids of the JSON array in F every 5th step, like
+``--warm-prompt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import sys
 import threading
 import time
+from pathlib import Path
 
 from common import logs
 from common.lifecycle import install_signal_handlers
 from services.simulator.cache_model import Request
 from services.simulator.ascend import DEFAULT_VLLM as ASCEND_VLLM
 from services.simulator.engine import SimulatedVLLM
+from services.simulator.shapes import SHAPES
 from services.simulator.workload import KINDS, Workload
 
 logger = logging.getLogger(__name__)
+_EPILOG = (
+    "--model-shape plays a model's KV-cache groups as vLLM numbers them: dense (group 0 "
+    "full_attention, the default), gemma3 (0, 1 sliding_window w64, 2 full_attention), "
+    "qwen3next (0 mamba, 1 full_attention), gptoss (0 sliding_window w128, 1 full_attention), "
+    "all at --block-size on one hash chain. A hybrid publishes one BlockStored per group per "
+    "step (group_idx, kv_cache_spec_kind, window, block_size) with token_ids for every new "
+    "full block but hashes only for the blocks the group keeps (sliding window: the window "
+    "before the prompt's last token; mamba: one state per prefill chunk), and BlockRemoved "
+    "with group_idx per evicted block. Its --state-file lists the groups and each group's "
+    "blocks (gpu_groups), from which vLLM's hit follows.")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cache-indexer simulate-vllm",
-                                description=__doc__.split("\n")[0])
+                                description=__doc__.split("\n")[0], epilog=_EPILOG)
     a = p.add_argument
     a("--endpoint", default="tcp://*:5557", help="PUB endpoint (vLLM's bind/connect rule)")
     a("--replay-endpoint", default="", help="replay ROUTER endpoint (always binds); '' = none")
@@ -63,6 +92,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--warm-prompt", type=int, default=0, metavar="N",
       help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt that "
            "stays cached, for hand-written example requests; 0 = off)")
+    a("--warm-prompt-file", default="", metavar="F",
+      help="also serve the token ids of the JSON array in F every 5th step ('' = off)")
+    a("--model-shape", choices=list(SHAPES), default="dense",
+      help="KV-cache groups to play: dense (one full_attention group), gemma3 (2 "
+           "sliding_window w64 + full_attention), qwen3next (mamba + full_attention), gptoss "
+           "(sliding_window w128 + full_attention); hybrids need --vllm-version >= 0.22")
+    a("--prefill-chunk", type=int, default=0, metavar="N",
+      help="hybrid shapes: prefill in chunks of N tokens, a multiple of --block-size "
+           "(0 = a prompt at once)")
     a("--hash-algo", default="sha256_cbor", choices=("sha256_cbor", "sha256"),
       help="--prefix-caching-hash-algo of the simulated engine")
     a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
@@ -73,7 +111,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--reset-every", type=int, default=0, help="reset the prefix cache every N steps")
     a("--state-file", default="", help="write the true cache state here (JSON)")
     a("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.warm_tokens = _read_prompt(args.warm_prompt_file)
+    except (OSError, ValueError) as exc:
+        p.error(f"--warm-prompt-file: {exc}")
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -82,17 +125,24 @@ def main(argv: list[str]) -> int:
         args.vllm_version = ASCEND_VLLM if args.engine == "vllm-ascend" else "0.28.0"
     logs.configure(args.log_level)
     ranks = [args.dp_rank] if args.dp_rank is not None else list(range(args.dp_size))
-    sim = SimulatedVLLM(
-        args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
-        block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
-        buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks, hash_seed=args.hash_seed,
-        hash_algo=args.hash_algo, bind_host=args.bind_host, engine=args.engine)
+    try:
+        sim = SimulatedVLLM(
+            args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
+            block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
+            buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks,
+            hash_seed=args.hash_seed, hash_algo=args.hash_algo, bind_host=args.bind_host,
+            engine=args.engine, model_shape=args.model_shape,
+            prefill_chunk=args.prefill_chunk)
+    except ValueError as exc:
+        print(f"simulate-vllm: {exc}", file=sys.stderr)
+        return 2
     workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
                         block_size=args.block_size, seed=args.seed)
     stop = threading.Event()
     install_signal_handlers(stop)
-    logger.info("simulating %s (vLLM %s) on %s (ranks %s, replay %s)", args.engine,
-                args.vllm_version, args.endpoint, ranks, args.replay_endpoint or "none")
+    logger.info("simulating %s (vLLM %s, %s) on %s (ranks %s, replay %s)", args.engine,
+                args.vllm_version, args.model_shape, args.endpoint, ranks,
+                args.replay_endpoint or "none")
     try:
         try:
             _run(args, sim, workload, stop)
@@ -113,12 +163,25 @@ def warm_prompt(n: int) -> Request:
     return Request(tuple(range(1, n + 1)))
 
 
+def _read_prompt(path: str) -> tuple[int, ...]:
+    """The ``--warm-prompt-file`` token ids (empty without a file)."""
+    if not path:
+        return ()
+    tokens = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(tokens, list) or not tokens or not all(
+            type(t) is int and t >= 0 for t in tokens):
+        raise ValueError(f"{path} is not a JSON array of token ids")
+    return tuple(tokens)
+
+
 def step_requests(args: argparse.Namespace, workload: Workload, step: int,
                   ranks: int) -> list[Request]:
-    """The prompts of engine step ``step`` (1-based): the workload's, plus the warm prompt."""
+    """The prompts of engine step ``step`` (1-based): the workload's, plus the warm prompts."""
     requests = [workload.next() for _ in range(args.requests_per_step * ranks)]
     if args.warm_prompt and step % 5 == 1:
         requests.append(warm_prompt(args.warm_prompt))
+    if args.warm_tokens and step % 5 == 1:
+        requests.append(Request(args.warm_tokens))
     return requests
 
 

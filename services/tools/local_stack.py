@@ -1,23 +1,26 @@
 """``cache-indexer local-stack``: the whole system on one machine, on embedded defaults.
 
 Starts, in ``.local-stack/`` (logs, config, sockets): its own redis-server (loopback port
-and a unix socket), two simulated vLLM pods (``simulate-vllm``; pod IPs 127.0.0.2 and
-127.0.0.3, KV events over ipc:// sockets, 0.28.0 map and 0.23.0 array encodings), the
+and a unix socket), two simulated dense vLLM pods (``simulate-vllm``; pod IPs 127.0.0.2 and
+127.0.0.3, KV events over ipc:// sockets, 0.28.0 map and 0.23.0 array encodings), two
+simulated hybrid-model pods (:data:`HYBRID_PODS`: 127.0.0.4 a Gemma 3 shape on vLLM 0.30.0,
+127.0.0.5 a Qwen3-Next shape on 0.28.0, both also serving the example prompt), the
 discovery worker (static mode), an L1 ingester, the API on ``127.0.0.1:28080`` and — in a
 private network namespace, because Mooncake store clients listen on every interface — a
-real ``mooncake_master``, one store client per pod putting blocks in vLLM's key format, and
-the L3 poller (which reaches Redis through the unix socket). Without root/``unshare`` or
+real ``mooncake_master``, one store client per dense pod putting blocks in vLLM's key format,
+and the L3 poller (which reaches Redis through the unix socket). Without root/``unshare`` or
 without the Mooncake wheel the L3 side is left out with a warning and L3 ratios stay 0.
 
 When everything answers it writes ``.local-stack/example-request.json`` (a prompt pod A
-serves) and prints the API's answer for it. Ctrl-C (or ``--duration``) stops every process
-it started, by PID.
+and the hybrid pods serve, asked of every pod) and prints the API's answer for it, with the
+hybrid pods' expected hit: vLLM's rule over the groups their state files report. Ctrl-C (or
+``--duration``) stops every process it started, by PID.
 
-``--engine vllm-ascend`` (or ``LOCAL_STACK_ENGINE=vllm-ascend``) makes both pods play
-vllm-ascend instead: KV events of the paired vLLM releases (0.18.0 and 0.13.0, array
-encoding) plus the AscendStoreConnector's ``medium="cpu"`` events, and TP2
-AscendStoreConnector keys in Mooncake — pod A in v0.18's layout, pod B layer-wise as v0.21+
-writes it (:data:`ASCEND`).
+``--engine vllm-ascend`` (or ``LOCAL_STACK_ENGINE=vllm-ascend``) makes both dense pods play
+vllm-ascend instead (the hybrid pods stay vLLM): KV events of the paired vLLM releases
+(0.18.0 and 0.13.0, array encoding) plus the AscendStoreConnector's ``medium="cpu"`` events,
+and TP2 AscendStoreConnector keys in Mooncake — pod A in v0.18's layout, pod B layer-wise as
+v0.21+ writes it (:data:`ASCEND`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import yaml
 from common import logs
 from common.blockhash import BlockHasher, HashSettings
 from common.lifecycle import install_signal_handlers
+from services.simulator.shapes import state_hit_tokens
 from services.simulator.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,12 @@ BLOCK_SIZE = 16
 PODS = [  # name, ip, emulated vLLM version, workload seed
     ("pod-a", "127.0.0.2", "0.28.0", 1),
     ("pod-b", "127.0.0.3", "0.23.0", 2),
+]
+# name, ip, emulated vLLM version, workload seed, --model-shape. Releases before 0.31, whose
+# salted blocks hash like the config's vllmVersion (0.28: untagged extra keys).
+HYBRID_PODS = [
+    ("pod-c", "127.0.0.4", "0.30.0", 3, "gemma3"),
+    ("pod-d", "127.0.0.5", "0.28.0", 4, "qwen3next"),
 ]
 WORKLOAD = {"prompts": 16, "prompt_len": 256}
 ENGINES = ("vllm", "vllm-ascend")
@@ -105,7 +115,7 @@ def _write_config(workdir: Path, redis_port: int, api_port: int, master_port: in
         "discovery": {"mode": "static", "static": {
             "vllm": [{"ip": ip, "name": name, "zmqEndpoint": f"ipc://{workdir}/{name}.pub",
                       "replayEndpoint": f"ipc://{workdir}/{name}.replay"}
-                     for name, ip, _, _ in PODS],
+                     for name, ip in _all_pods()],
             "mooncakeMasters": [{"url": f"http://127.0.0.1:{master_port}"}] if with_l3 else [],
         }},
         "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "200ms", "backoffMax": "5s"},
@@ -114,6 +124,10 @@ def _write_config(workdir: Path, redis_port: int, api_port: int, master_port: in
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
     return path
+
+
+def _all_pods() -> list[tuple[str, str]]:
+    return [(p[0], p[1]) for p in PODS] + [(p[0], p[1]) for p in HYBRID_PODS]
 
 
 def _example(workdir: Path) -> tuple[list[int], dict[str, list[str]]]:
@@ -205,13 +219,13 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[l
     for name, _, version, seed in PODS:
         if args.engine == "vllm-ascend":
             version = ASCEND[name][0]
-        procs.spawn(name, _cli(
-            "simulate-vllm", "--engine", args.engine, "--endpoint", f"ipc://{workdir}/{name}.pub",
-            "--replay-endpoint", f"ipc://{workdir}/{name}.replay", "--topic", "kv-events",
-            "--vllm-version", version, "--block-size", str(BLOCK_SIZE), "--num-blocks", "8192",
-            "--rate", "2", "--seed", str(seed), "--prompts", str(WORKLOAD["prompts"]),
-            "--prompt-len", str(WORKLOAD["prompt_len"]),
-            "--state-file", str(workdir / f"{name}.state.json")), env=env)
+        procs.spawn(name, _simulator(workdir, name, version, seed, "--engine", args.engine),
+                    env=env)
+    prompt = workdir / "example-prompt.json"
+    prompt.write_text(json.dumps(example), encoding="utf-8")
+    for name, _, version, seed, shape in HYBRID_PODS:
+        procs.spawn(name, _simulator(workdir, name, version, seed, "--model-shape", shape,
+                                     "--warm-prompt-file", str(prompt)), env=env)
     procs.spawn("discovery", _cli("discovery"), env=env)
     procs.spawn("l1-ingest", _cli("l1-ingest"), env=env)
     procs.spawn("api", _cli("api"), env=env)
@@ -221,25 +235,62 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[l
     return example, with_l3
 
 
+def _simulator(workdir: Path, name: str, version: str, seed: int, *extra: str) -> list[str]:
+    return _cli(
+        "simulate-vllm", *extra, "--endpoint", f"ipc://{workdir}/{name}.pub",
+        "--replay-endpoint", f"ipc://{workdir}/{name}.replay", "--topic", "kv-events",
+        "--vllm-version", version, "--block-size", str(BLOCK_SIZE), "--num-blocks", "8192",
+        "--rate", "2", "--seed", str(seed), "--prompts", str(WORKLOAD["prompts"]),
+        "--prompt-len", str(WORKLOAD["prompt_len"]),
+        "--state-file", str(workdir / f"{name}.state.json"))
+
+
+def expected_hybrid_hits(workdir: Path, example: list[int]) -> dict[str, int]:
+    """Hybrid pod IP → vLLM's hit for ``example``, in tokens, over the residency its
+    simulator's state file reports (0 while it has written none)."""
+    hashes = BlockHasher(HashSettings()).event_ints(example, BLOCK_SIZE, None)
+    hits = {}
+    for name, ip, _, _, _ in HYBRID_PODS:
+        try:
+            state = json.loads((workdir / f"{name}.state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # not written yet (it is replaced atomically)
+            state = None
+        hits[ip] = state_hit_tokens(state, hashes, len(example)) if state else 0
+    return hits
+
+
+def _filled(scores: dict[str, Any], with_l3: bool, expected: dict[str, int]) -> bool:
+    """Pod A's L1, pod B's L3 and every hybrid pod's expected L1 hit are answered."""
+    a, b = (scores.get(PODS[i][1], {}) for i in (0, 1))
+    return a.get("l1_hit_ratio", 0) > 0 and (not with_l3 or b.get("l3_hit_ratio", 0) > 0) \
+        and all(hit > 0 and scores.get(ip, {}).get("l1_hit_ratio", 0) > 0
+                for ip, hit in expected.items())
+
+
 def _show_example(port: int, example: list[int], with_l3: bool, workdir: Path,
                   stop: threading.Event) -> Any:
-    request = {"server_ip": [ip for _, ip, _, _ in PODS],
+    request = {"server_ip": [ip for _, ip in _all_pods()],
                "body": {"token_ids": example, "cache_salt": "", "block_size": BLOCK_SIZE}}
     path = workdir / "example-request.json"
     path.write_text(json.dumps(request), encoding="utf-8")
     _wait_http(f"http://127.0.0.1:{port}/readyz", 60, stop)
     url = f"http://127.0.0.1:{port}/kv-cache/hit-rate"
     answer: Any = None
+    expected: dict[str, int] = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not stop.is_set():  # until L1 and L3 are filled
         answer = httpx.post(url, json=request, timeout=5).json()
-        scores = answer.get("server_score_list", [])
-        if scores and scores[0]["l1_hit_ratio"] > 0 and (
-                not with_l3 or scores[-1]["l3_hit_ratio"] > 0):
+        expected = expected_hybrid_hits(workdir, example)
+        scores = {s["server_ip"]: s for s in answer.get("server_score_list", [])}
+        if _filled(scores, with_l3, expected):
             break
         stop.wait(0.5)
+    truth = ", ".join(f"{name} ({shape}, {ip}) {expected.get(ip, 0)} tokens"
+                      for name, ip, _, _, shape in HYBRID_PODS)
     print(f"\nexample request: {path}\n  curl -s -X POST {url} -H 'Content-Type: "
-          f"application/json' -d @{path}\nanswer: {json.dumps(answer)}\n", flush=True)
+          f"application/json' -d @{path}\nanswer: {json.dumps(answer)}\n"
+          f"expected hybrid L1 hits (vLLM's rule over the simulators' groups): {truth}\n",
+          flush=True)
     return answer
 
 

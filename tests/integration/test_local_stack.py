@@ -1,8 +1,9 @@
 """The README's first command: the whole stack starts, answers, and stops what it started.
 
-The stack runs once for the module; its L1 answer and its L3 answer (which needs the
-Mooncake side: root, ``unshare`` and the Mooncake wheel) are separate tests, so a machine
-without the Mooncake side reports the L3 part as skipped (failed under ``CI=true``).
+The stack runs once for the module; its L1 answer, its hybrid pods' answer and its L3 answer
+(which needs the Mooncake side: root, ``unshare`` and the Mooncake wheel) are separate tests,
+so a machine without the Mooncake side reports the L3 part as skipped (failed under
+``CI=true``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from services.tools.local_stack import HYBRID_PODS, expected_hybrid_hits
 from tests.conftest import ROOT, child_env, mooncake_missing, require, reserve_port, reserve_ports
 
 
@@ -43,6 +45,13 @@ class StackRun:
         doc: dict[str, Any] = json.loads((self.workdir / "example-request.json").read_text())
         return doc
 
+    def scores(self) -> dict[str, dict[str, Any]]:
+        return {s["server_ip"]: s for s in self.answer()["server_score_list"]}
+
+    def dense(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        scores = self.scores()
+        return scores["127.0.0.2"], scores["127.0.0.3"]
+
 
 @pytest.fixture(scope="module", params=["vllm", "vllm-ascend"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> StackRun:
@@ -61,11 +70,11 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_local_stack_serves_l1_ratios_and_stops(stack: StackRun) -> None:
-    pod_a, pod_b = stack.answer()["server_score_list"]
-    assert (pod_a["server_ip"], pod_b["server_ip"]) == ("127.0.0.2", "127.0.0.3")
+    pod_a, pod_b = stack.dense()
     assert pod_a["l1_hit_ratio"] > 0, "pod A serves the example prompt: its GPU holds a prefix"
     assert pod_b["l1_hit_ratio"] == 0.0, "pod B never saw the example prompt"
-    assert stack.request()["server_ip"] == ["127.0.0.2", "127.0.0.3"]
+    assert stack.request()["server_ip"] == [
+        "127.0.0.2", "127.0.0.3", *(ip for _, ip, _, _, _ in HYBRID_PODS)]
     for port in stack.ports:
         assert _port_closed(port), f"port {port} still open after the stack stopped"
 
@@ -73,10 +82,24 @@ def test_local_stack_serves_l1_ratios_and_stops(stack: StackRun) -> None:
 def test_local_stack_serves_l3_ratios(stack: StackRun) -> None:
     reason = mooncake_missing()
     require(reason is None, f"the local stack's L3 side cannot run: {reason}")
-    pod_a, pod_b = stack.answer()["server_score_list"]
+    pod_a, pod_b = stack.dense()
     request = stack.request()
     n = len(request["body"]["token_ids"]) // request["body"]["block_size"]
     assert pod_b["l3_hit_ratio"] == (max(1, n * 3 // 4)) / n, "pod B put 3/4 of the blocks"
     assert pod_a["l3_hit_ratio"] == 0.0
     spec = json.loads((stack.workdir / "pod-b.blocks.json").read_text())
     assert spec.get("engine", "vllm") == stack.engine  # so the L3 hits above are that format's
+
+
+def test_local_stack_runs_hybrid_pods_and_answers_their_hit(stack: StackRun) -> None:
+    """The Gemma 3 and Qwen3-Next shaped pods hold the example prompt: vLLM's rule over the
+    groups their simulators report gives a non-zero hit, and the API answers exactly it."""
+    request = stack.request()
+    tokens, block = request["body"]["token_ids"], request["body"]["block_size"]
+    expected = expected_hybrid_hits(stack.workdir, tokens)
+    assert set(expected) == {ip for _, ip, _, _, _ in HYBRID_PODS}
+    assert all(hit == (len(tokens) - 1) // block * block for hit in expected.values()), \
+        "each hybrid pod served the example prompt: vLLM reuses all but its last token"
+    scores, n = stack.scores(), len(tokens) // block
+    assert {ip: scores[ip]["l1_hit_ratio"] for ip in expected} == {
+        ip: min(hit, n * block) / (n * block) for ip, hit in expected.items()}
