@@ -1,0 +1,371 @@
+"""vLLM's prefix-cache hit for an instance with several KV-cache groups; pure, stdlib only.
+
+Owns the rule of ``HybridKVCacheCoordinator.find_longest_cache_hit`` (spec
+``vllm-hybrid-kv.md`` §1.2-§1.4, pseudo-code §1.7) over per-group membership flags of the
+prompt's hash chain at the hash unit ``h``. Chain index ``i`` names tokens ``[0, (i+1)h)``; a
+group of block size ``B = k*h`` holds its block ``j`` at index ``(j+1)k-1``. :func:`build_rule`
+does everything that does not depend on the prompt (families, classes, the alignment ``a``,
+the partial-hit switch), :func:`hit_tokens` runs the fixed point, :func:`probe_indices` says
+which flags the answer can depend on, :func:`prefix_blocks` is the single-group rule.
+
+Decisions (what vLLM does, or what we do where it gives no answer):
+
+- The answer is exact or a lower bound, never above vLLM. A group whose rule we cannot know
+  (kind absent, ``unknown`` or new; chunked-local without a chunk size; sliding window without
+  a window) gets the full-attention rule, which needs a superset of any real rule's blocks,
+  and an :class:`Inexact` reason. With partial hits on (only when the caller forces them) an
+  unknown kind is checked at every hash unit: its real rule might be Mamba's exact state.
+- The automatic partial-hit switch treats an unknown kind with ``B != h`` as blocking it:
+  partial hits off accept a subset of what they would accept on, so either way we stay low.
+- ``cross_attention``/``encoder_only_attention`` groups hold no prefix-cache blocks: skipped,
+  and not in the LCM. All groups skipped: the hit is 0.
+- One group left: vLLM's Unitary coordinator, never partial hits, ``a = B``.
+- No vLLM release answers these, so :func:`build_rule` raises ValueError: partial hits with
+  a sliding-window or chunked-local group of ``B != h`` (0.26/0.27 turn them on and the
+  sliding-window finder asserts, §7.1; 0.28+ turn them off, so forcing them is a contradiction),
+  and a chunked-local group with ``B != a`` (its finder asserts ``block_size == alignment``).
+- Groups with equal ``(kind, B, window, chunk)`` form one class: an index counts only where
+  every member holds it (vLLM's ``get_cached_block``). Full-attention classes go first; their
+  hit is computed once, later passes only trim to it (it is downward-closed).
+- Flags are 0/1 (or bools); scans use C-level slicing and iterators, never a Python loop per
+  index: this runs per candidate per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+MAMBA_KIND = "mamba"
+CHUNKED_LOCAL_KIND = "chunked_local_attention"
+NOT_CACHED_KINDS = frozenset({"cross_attention", "encoder_only_attention"})
+
+_FA, _SWA, _MAMBA, _CHUNKED, _SKIP = "fa", "swa", "mamba", "chunked", "skip"
+_LOCAL_KINDS = SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND}  # never fine-grained in vLLM
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    kind: str | None
+    block_size: int
+    sliding_window: int | None = None
+    chunk: int | None = None
+
+
+class Inexact(StrEnum):
+    """Why an answer can only be a lower bound."""
+
+    UNKNOWN_KIND = "unknown_group_kind"
+    CHUNK_SIZE_UNKNOWN = "chunk_size_unknown"
+    SLIDING_WINDOW_UNKNOWN = "sliding_window_unknown"
+
+
+@dataclass(frozen=True)
+class _Class:
+    """Groups with one spec: the finder's family, sizes in tokens and chain indices."""
+
+    family: str
+    members: tuple[int, ...]
+    block: int  # B used by the finder (h for an unknown kind under partial hits)
+    k: int  # chain indices per block
+    unit: int  # h
+    need: int = 1  # sliding window: blocks needed just before L
+    chunk: int = 0  # chunked local: chunk size
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Everything about an instance's groups that does not depend on the prompt."""
+
+    groups: tuple[GroupSpec, ...]
+    effective: tuple[str, ...]
+    hash_unit: int
+    alignment: int
+    partial_hits: bool
+    inexact: tuple[Inexact, ...]
+    _classes: tuple[_Class, ...] = field(default=(), repr=False)
+    _group_class: tuple[int, ...] = field(default=(), repr=False)  # class index, -1 = skipped
+
+
+def build_rule(groups: Sequence[GroupSpec], hash_unit: int, *, partial_hits: bool | None = None,
+               vllm_version: tuple[int, ...] = (0, 34)) -> Rule:
+    """The :class:`Rule` of these groups (in the caller's order) at hash unit ``hash_unit``.
+
+    ``partial_hits`` None decides as vLLM ``vllm_version`` does (spec §1.2); True/False forces
+    it (one group: always off, as Unitary). Raises ValueError for ``h <= 0``, no group, a block
+    size that is not a positive multiple of ``h``, a window or chunk below 1, and the shapes no
+    vLLM release can answer (module docstring). ``a = h`` with partial hits, else the LCM of
+    the block sizes of the groups not skipped."""
+    groups = tuple(groups)
+    _validate(groups, hash_unit)
+    families, reasons = zip(*(_family(g) for g in groups), strict=True)
+    live = [g for g, f in zip(groups, families, strict=True) if f != _SKIP]
+    if len(live) < 2:
+        partial = False
+    elif partial_hits is None:
+        partial = _auto_partial(live, hash_unit, vllm_version)
+    else:
+        partial = partial_hits
+    if partial and any(g.kind in _LOCAL_KINDS and g.block_size != hash_unit for g in live):
+        raise ValueError("partial hits with a sliding-window or chunked-local group whose block "
+                         "size is not the hash unit: no vLLM release answers that")
+    alignment = hash_unit if partial or not live else math.lcm(*(g.block_size for g in live))
+    if any(g.kind == CHUNKED_LOCAL_KIND and g.block_size != alignment for g in live):
+        raise ValueError("a chunked-local group's block size differs from the alignment "
+                         f"{alignment}: vLLM's chunked-local finder asserts they are equal")
+    classes, group_class = _classes(groups, families, hash_unit, partial)
+    return Rule(groups, tuple(families), hash_unit, alignment, partial,
+                tuple(dict.fromkeys(r for r in reasons if r is not None)), classes, group_class)
+
+
+def _validate(groups: tuple[GroupSpec, ...], h: int) -> None:
+    if not isinstance(h, int) or h <= 0:
+        raise ValueError(f"hash unit must be a positive int, got {h!r}")
+    if not groups:
+        raise ValueError("at least one KV-cache group is needed")
+    for pos, g in enumerate(groups):
+        if not isinstance(g.block_size, int) or g.block_size <= 0 or g.block_size % h:
+            raise ValueError(f"group {pos}: block size {g.block_size!r} is not a positive "
+                             f"multiple of the hash unit {h}")
+        used = g.sliding_window if g.kind in SLIDING_WINDOW_KINDS else \
+            g.chunk if g.kind == CHUNKED_LOCAL_KIND else None
+        if used is not None and (not isinstance(used, int) or used < 1):
+            raise ValueError(f"group {pos}: window/chunk {used!r} must be an int >= 1")
+
+
+def _family(g: GroupSpec) -> tuple[str, Inexact | None]:
+    """The finder family applied to ``g`` and why it is not the real one (None: it is)."""
+    if g.kind in FULL_ATTENTION_KINDS:
+        return _FA, None
+    if g.kind in SLIDING_WINDOW_KINDS:
+        return (_SWA, None) if g.sliding_window is not None else \
+            (_FA, Inexact.SLIDING_WINDOW_UNKNOWN)
+    if g.kind == MAMBA_KIND:
+        return _MAMBA, None
+    if g.kind == CHUNKED_LOCAL_KIND:
+        return (_CHUNKED, None) if g.chunk is not None else (_FA, Inexact.CHUNK_SIZE_UNKNOWN)
+    if g.kind in NOT_CACHED_KINDS:
+        return _SKIP, None
+    return _FA, Inexact.UNKNOWN_KIND
+
+
+def _auto_partial(live: list[GroupSpec], h: int, version: tuple[int, ...]) -> bool:
+    """vLLM's ``enable_partial_hash_hits`` (0.26+, DCP 1, every Mamba group in align mode)."""
+    if tuple(version) < (0, 26) or not any(g.kind == MAMBA_KIND and g.block_size > h
+                                           for g in live):
+        return False
+    fine = FULL_ATTENTION_KINDS | {MAMBA_KIND}  # the managers with fine-grained lookup
+    if all(g.block_size == h or g.kind in fine for g in live):
+        return True
+    if tuple(version) < (0, 28) and any(g.kind in _LOCAL_KINDS and g.block_size != h
+                                        for g in live):
+        raise ValueError(f"vLLM {'.'.join(map(str, version))} turns partial hits on with a "
+                         "sliding-window or chunked-local group whose block size is not the "
+                         "hash unit, and then asserts on every lookup")
+    return False  # 0.28+ silently off; an unknown kind with B != h: off is the lower bound
+
+
+def _classes(groups: tuple[GroupSpec, ...], families: tuple[str, ...], h: int,
+             partial: bool) -> tuple[tuple[_Class, ...], tuple[int, ...]]:
+    """Merge groups of one spec into classes, full-attention ones first."""
+    members: dict[tuple[str, str | None, int, int | None, int | None], list[int]] = {}
+    for pos, (g, fam) in enumerate(zip(groups, families, strict=True)):
+        if fam != _SKIP:
+            window = g.sliding_window if fam == _SWA else None
+            chunk = g.chunk if fam == _CHUNKED else None
+            members.setdefault((fam, g.kind, g.block_size, window, chunk), []).append(pos)
+    built: list[_Class] = []
+    for (fam, kind, _, window, chunk), pos_list in members.items():
+        g = groups[pos_list[0]]
+        # An unknown kind under partial hits may really be Mamba: demand every hash unit.
+        block = h if partial and fam == _FA and kind not in FULL_ATTENTION_KINDS \
+            else g.block_size
+        need = 1 if window is None else max(1, -(-(window - 1) // block))
+        built.append(_Class(fam, tuple(pos_list), block, block // h, h, need, chunk or 0))
+    built.sort(key=lambda c: (c.family != _FA, c.members[0]))
+    group_class = [-1] * len(groups)
+    for ci, c in enumerate(built):
+        for pos in c.members:
+            group_class[pos] = ci
+    return tuple(built), tuple(group_class)
+
+
+# --- flag views: one byte per chain index, 1 iff every member of the class holds it --------
+
+_ONE = bytes([0] + [1] * 255)  # translate table: any set byte -> 1
+
+
+def _as_bytes(flags: Sequence[int], n: int) -> bytearray:
+    """``flags`` as exactly ``n`` bytes of 0/1 (missing entries are absent)."""
+    try:
+        raw = bytearray(flags)  # C speed for 0/1 ints and bools, the callers' lists
+    except (TypeError, ValueError):
+        raw = bytearray()
+    if len(raw) != len(flags):  # other truthy values (or a wider numpy dtype)
+        raw = bytearray(map(bool, flags))
+    raw = raw.translate(_ONE)
+    if len(raw) != n:
+        del raw[n:]
+        raw.extend(bytes(n - len(raw)))
+    return raw
+
+
+class _Flags:
+    """A class's membership for one prompt as bytes of 0/1, one byte per chain index."""
+
+    __slots__ = ("seqs", "m", "views")
+
+    def __init__(self, seqs: list[Sequence[int]], m: int) -> None:
+        self.seqs, self.m = seqs, m
+        self.views: dict[int, bytes | bytearray] = {}
+
+    def segment(self, step: int, lo: int, hi: int) -> bytes | bytearray:
+        """Byte ``t - lo`` is 1 iff every member holds chain index ``(t+1)*step - 1``, for
+        ``lo <= t < hi`` (a hash counts only if every group of the class has it)."""
+        n = hi - lo
+        if n <= 0:
+            return b""
+        first, stop = (lo + 1) * step - 1, hi * step
+        buf = _as_bytes(self.seqs[0][first:stop:step], n)
+        if len(self.seqs) == 1:
+            return buf
+        both = int.from_bytes(buf, "little")
+        for seq in self.seqs[1:]:
+            both &= int.from_bytes(_as_bytes(seq[first:stop:step], n), "little")
+        return both.to_bytes(n, "little")
+
+    def view(self, step: int) -> bytes | bytearray:
+        """:meth:`segment` over every index below m, built once per prompt."""
+        buf = self.views.get(step)
+        if buf is None:
+            buf = self.views[step] = self.segment(step, 0, self.m // step)
+        return buf
+
+    def last(self, step: int, hi: int) -> int:
+        """The largest ``t < hi`` of view ``step`` that is set, -1 if none. Right to left by
+        segments: a saved state or cached tail is usually near the end."""
+        while hi > 0:
+            lo = max(0, hi - 256)
+            found = self.segment(step, lo, hi).rfind(1)
+            if found >= 0:
+                return lo + found
+            hi = lo
+        return -1
+
+
+# --- finders: the largest length <= bound that one class accepts (spec §1.4) ---------------
+
+def _fa(c: _Class, fl: _Flags, bound: int, a: int) -> int:
+    nb = bound // c.block
+    miss = fl.view(c.k).find(0, 0, nb)
+    j = nb if miss < 0 else miss
+    out = j * c.block
+    if a < c.block:  # partial hits: the last hash unit held inside the first missing block
+        lo = j * c.k
+        f = fl.segment(1, lo, min(lo + c.k - 1, bound // a)).rfind(1)
+        if f >= 0:
+            out = (lo + f + 1) * a
+    return out - out % a
+
+
+def _swa(c: _Class, fl: _Flags, bound: int, a: int) -> int:
+    need, nb, r = c.need, bound // c.block, a // c.block  # windows end on a-aligned edges
+    hi = nb - nb % r
+    if hi >= need and fl.segment(c.k, hi - need, hi).find(0) < 0:
+        return hi * c.block  # the common case: the window just before the bound is cached
+    buf, window = fl.view(c.k), b"\x01" * need
+    while (start := buf.rfind(window, 0, hi)) >= 0:
+        end = start + need  # the last full window below hi; no aligned one ends past it
+        end -= end % r
+        if end < need:
+            break
+        miss = buf.rfind(0, end - need, end)
+        if miss < 0:
+            return end * c.block
+        hi = miss  # every window holding this block fails: look left of it
+    # No full window: the run of blocks from 0 (shorter than a window), rounded down to a.
+    run = buf.find(0, 0, min(nb, need))
+    run = min(nb, need) if run < 0 else run
+    return (run - run % r) * c.block
+
+
+def _mamba(c: _Class, fl: _Flags, bound: int, a: int) -> int:
+    step = a // c.unit  # the state must sit exactly at an a-aligned length
+    return (fl.last(step, bound // a) + 1) * a
+
+
+def _chunked(c: _Class, fl: _Flags, bound: int, a: int) -> int:
+    nb = bound // c.block
+    first = bound // c.chunk * c.chunk // c.block  # blocks before L's chunk count as computed
+    miss = fl.view(c.k).find(0, first, nb)
+    return (nb if miss < 0 else miss) * c.block
+
+
+_FINDERS: dict[str, Callable[[_Class, _Flags, int, int], int]] = {
+    _FA: _fa, _SWA: _swa, _MAMBA: _mamba, _CHUNKED: _chunked}
+
+
+def hit_tokens(rule: Rule, num_tokens: int, present: Sequence[Sequence[int]]) -> int:
+    """vLLM's prefix-cache hit, in tokens, for a prompt of ``num_tokens`` tokens.
+
+    ``present[g][i]`` is truthy iff group ``g`` (position in ``rule.groups``) holds chain
+    index ``i``, for ``i < num_tokens // rule.hash_unit``; indices past a sequence's end count
+    as absent. The search stops at ``num_tokens - 1``: vLLM always recomputes the last token."""
+    if len(present) != len(rule.groups):
+        raise ValueError(f"{len(present)} flag sequences for {len(rule.groups)} groups")
+    classes, a = rule._classes, rule.alignment
+    if num_tokens <= 1 or not classes:
+        return 0
+    m = num_tokens // rule.hash_unit
+    flags = [_Flags([present[g] for g in c.members], m) for c in classes]
+    bound = num_tokens - 1
+    if len(classes) == 1:
+        return _FINDERS[classes[0].family](classes[0], flags[0], bound, a)
+    simple = len(classes) == 2 and classes[0].family == _FA  # one pass reaches the fixed point
+    fa_hits: dict[int, int] = {}
+    while True:
+        cur = bound
+        for ci, c in enumerate(classes):
+            if c.family == _FA:
+                if ci not in fa_hits:
+                    fa_hits[ci] = _fa(c, flags[ci], cur, a)
+                cur = min(cur, fa_hits[ci])
+            else:
+                cur = _FINDERS[c.family](c, flags[ci], cur, a)
+        if cur >= bound or cur == 0 or simple:
+            return cur
+        bound = cur
+
+
+def probe_indices(rule: Rule, group: int, num_tokens: int) -> range | list[int]:
+    """The chain indices of group ``group`` that :func:`hit_tokens` may read (a superset of
+    those that can change it); any other flag may be left 0."""
+    ci = rule._group_class[group]
+    if ci < 0 or num_tokens <= 1:
+        return range(0)
+    c, bound, a = rule._classes[ci], num_tokens - 1, rule.alignment
+    if rule.partial_hits and c.family in (_FA, _MAMBA):
+        return range(bound // rule.hash_unit)
+    if c.family == _MAMBA:
+        step = a // c.unit
+        return range(step - 1, bound // a * step, step)
+    nb, r = bound // c.block, a // c.block
+    if c.family != _SWA or c.need >= r:
+        return range(c.k - 1, nb * c.k, c.k)
+    # Sparse sliding window (need < a/B): only the windows before a-aligned edges, plus the
+    # leading blocks its fallback reads.
+    lead = min(c.need, nb)
+    blocks = list(range(lead))
+    for end in range(r, nb + 1, r):
+        blocks.extend(range(max(end - c.need, lead), end))
+    return [(b + 1) * c.k - 1 for b in blocks]
+
+
+def prefix_blocks(flags: Sequence[int]) -> int:
+    """The single-group rule: how many flags from index 0 are set before the first unset."""
+    miss = _as_bytes(flags, len(flags)).find(0)
+    return len(flags) if miss < 0 else miss
