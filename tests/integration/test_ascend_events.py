@@ -109,6 +109,6 @@ def test_simulate_vllm_cli_plays_vllm_ascend(tmp_path: Path,
          "--duration", "1", "--state-file", str(state)],
         check=False, cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=30)
     assert sim.returncode == 0, sim.stderr[-2000:]
-    assert "simulating vllm-ascend (vLLM 0.18.0)" in sim.stderr  # the paired release
+    assert "simulating vllm-ascend (vLLM 0.18.0, dense)" in sim.stderr  # the paired release
     truth = json.loads(state.read_text())["ranks"]["0"]
     assert truth["pool"] and set(truth["pool"]) >= set(truth["gpu"])  # every GPU block pooled
