@@ -1,5 +1,5 @@
 """Compact per-master L3 state: which vLLM keys the master holds, where, and what that means
-for each instance.
+for each instance, per KV-cache group.
 
 Per key only ``(namespace id << 64 | u64 hash) → location id`` is kept, in one dict
 (≈ 80 bytes per key measured; the key strings are never kept). A namespace is what a key
@@ -10,14 +10,19 @@ endpoint of their location still maps to a live segment.
 
 Rules (see docs/l3-poller.md):
 
-* **complete block**: for a deployment (vLLM: model head; vllm-ascend: model and key
-  layout), a hash counts only when a key exists in every namespace that
-  :mod:`.completeness` requires, judged on the namespaces seen within the last
-  ``ns_memory`` seconds (``ingest.l3.staleAfter``), this poll included: a block with one
-  TP/PP shard, one layer or one group missing cannot be loaded by the engine. The memory
+* **groups are sets**: each KV-cache group of a deployment (vLLM: model head; vllm-ascend:
+  model and key layout) is judged on its own and gives its own set (a *unit*); a block of
+  group 0 does not need group 1's key, or the reverse.
+* **complete block**: within a unit, a hash counts only when a key exists in every
+  namespace that :mod:`.completeness` requires, judged on the namespaces seen within the
+  last ``ns_memory`` seconds (``ingest.l3.staleAfter``), this poll included: a block with one
+  TP/PP shard or one layer missing cannot be loaded by the engine. The memory
   matters when *all* keys of one namespace vanish at once (its segments' pod died): for
   that long the deployment's blocks stay incomplete; afterwards it is judged by the
   namespaces it still has (so a redeployment with another TP size is picked up).
+* **unmappable groups** (:func:`.completeness.unmappable_units`): a group of a vllm-ascend
+  deployment whose hashes no other group of it shares holds no vLLM block hashes (grouped
+  rehash); its keys are counted (``PollStats.unmappable_group``) and it gives no set.
 * scope ``segment``: an instance holds a complete block when at least one of the block's
   keys has a replica on one of the instance's segments (host of the segment name).
 * scope ``pool``: every complete block of the master counts for every instance attached
@@ -26,15 +31,20 @@ Rules (see docs/l3-poller.md):
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from services.l3_poller.blocks import Blocks, Verdict, collect
 from services.l3_poller.client import Replicas
-from services.l3_poller.completeness import ModelPin, Requirements, requirements
+from services.l3_poller.completeness import (
+    ModelPin,
+    Requirements,
+    may_rehash,
+    requirements,
+    unmappable_units,
+)
 from services.l3_poller.keys_parser import (
     FAMILIES,
     HASH_HEX,
@@ -61,28 +71,12 @@ class PollStats:
     skipped: Counter[str] = field(default_factory=Counter)
     to_locate: int = 0
     sample_unparsed: bytes = b""
+    unmappable_group: int = 0
+    """Keys of KV-cache groups whose hashes are not vLLM block hashes (no set is made)."""
+    unmappable: list[tuple[str, int]] = field(default_factory=list)
+    """(model, group) of those groups."""
 
 
-@dataclass
-class Blocks:
-    """Result of one poll: ``per_ip`` (scope segment) or ``pool`` (scope pool) block hashes,
-    as **sorted** arrays of distinct u64 (8 bytes each: the writer keeps every master's last
-    result). Sorted so that equal content has equal bytes, whatever order the master listed
-    its keys in: :meth:`digest` is what the writer compares to skip unchanged sets."""
-
-    per_ip: dict[str, array[int]]
-    pool: array[int] | None
-    complete: int
-    _digests: dict[str | None, bytes] = field(default_factory=dict, repr=False, compare=False)
-
-    def digest(self, ip: str | None) -> bytes:
-        """blake2b-128 of the sorted hashes of ``ip`` (``None`` = the pool), computed once."""
-        found = self._digests.get(ip)
-        if found is None:
-            hashes = self.pool if ip is None else self.per_ip.get(ip)
-            data = b"" if hashes is None else hashes.tobytes()
-            found = self._digests[ip] = hashlib.blake2b(data, digest_size=16).digest()
-        return found
 
 
 class MasterIndex:
@@ -102,8 +96,13 @@ class MasterIndex:
         self._prefix_ns: dict[bytes | tuple[bytes, bytes], int] = {}
         self._ns_ids: dict[AnyNamespace, int] = {}
         self._ns_info: list[AnyNamespace] = []
-        self._head_of: list[int] = []
-        self._head_ids: dict[tuple[str, ...], int] = {}
+        self._unit_of: list[int] = []
+        """Namespace id → unit id: (deployment, KV-cache group), judged and kept apart."""
+        self._unit_ids: dict[tuple[tuple[str, ...], int], int] = {}
+        self._unit_group: list[int] = []
+        self._unit_dep: list[int] = []
+        self._dep_ids: dict[tuple[str, ...], int] = {}
+        self._unmappable: set[int] = set()
         self._locs: list[Replicas] = [("?",), ()]
         self._loc_ids: dict[Replicas, int] = {(): 1}
         self._loc_ips: list[tuple[str, ...]] = [(), ()]
@@ -203,8 +202,9 @@ class MasterIndex:
         for ns in [ns for ns, seen in self._ns_seen.items() if now - seen > self.ns_memory]:
             del self._ns_seen[ns]
         self.required_ns = set(self._ns_seen)
-        self._req = requirements(self.required_ns, self._ns_info, self._head_of, self.pins)
+        self._req = requirements(self.required_ns, self._ns_info, self._unit_of, self.pins)
         self.keys = self._cur
+        self._judge_groups()
         self._cur, self._cur_ns = {}, set()
         if len(self._locs) > 1024:
             self._compact()
@@ -216,46 +216,51 @@ class MasterIndex:
     # -- results -------------------------------------------------------------------
 
     def blocks(self, scope: str) -> Blocks:
-        """Complete blocks of the last committed poll, per instance IP or for the pool."""
-        single, complete, n = self._completeness()
-        head_of = self._head_of
-        if scope == "pool":
-            pool = {ck & U64_MASK for ck in self.keys if head_of[ck >> 64] in single
-                    or (head_of[ck >> 64] << 64 | ck & U64_MASK) in complete}
-            return Blocks({}, array("Q", sorted(pool)), n)
-        per_ip: dict[str, set[int]] = {}
-        loc_ips = self._loc_ips
-        for ck, loc in self.keys.items():
-            ips = loc_ips[loc]
-            if not ips:
-                continue
-            head = head_of[ck >> 64]
-            if head not in single and (head << 64 | ck & U64_MASK) not in complete:
-                continue
-            for ip in ips:
-                per_ip.setdefault(ip, set()).add(ck & U64_MASK)
-        return Blocks({ip: array("Q", sorted(per_ip.pop(ip))) for ip in list(per_ip)}, None, n)
+        """Complete blocks of the last committed poll, per instance IP or for the pool, per
+        KV-cache group."""
+        return collect(self.keys, self._loc_ips, scope, self._completeness())
 
-    def _completeness(self) -> tuple[set[int], dict[int, int], int]:
-        """(deployments whose every key is a complete block — one required namespace and
-        nothing else, the complete ``dep << 64 | hash`` ids of the others, how many
-        complete blocks)."""
-        need, required = self._req.need, self._req.required
-        single = {dep for dep, n in need.items() if n == 1 and dep not in self._req.extra}
+    def _completeness(self) -> Verdict:
+        """Units whose every key is a complete block (one required namespace and nothing
+        else), the complete ``unit << 64 | hash`` ids of the others, how many complete
+        blocks; unmappable units have none."""
+        need, required, skip = self._req.need, self._req.required, self._unmappable
+        single = {unit for unit, n in need.items()
+                  if n == 1 and unit not in self._req.extra and unit not in skip}
         counts: dict[int, int] = {}
         n_single = 0
         for ck in self.keys:
-            dep = required.get(ck >> 64, -1)
-            if dep < 0:
+            unit = required.get(ck >> 64, -1)
+            if unit < 0:
                 continue
-            if dep in single:
+            if unit in single:
                 n_single += 1
                 continue
-            hk = dep << 64 | ck & U64_MASK
+            hk = unit << 64 | ck & U64_MASK
             counts[hk] = counts.get(hk, 0) + 1
-        for hk in [hk for hk, n in counts.items() if n != need[hk >> 64]]:
+        for hk in [hk for hk, n in counts.items()
+                   if n != need[hk >> 64] or hk >> 64 in skip]:
             del counts[hk]
-        return single, counts, n_single + len(counts)
+        multi = any(self._unit_group[unit] for unit in need)
+        return Verdict(self._unit_of, self._unit_group, single, counts,
+                       n_single + len(counts), multi)
+
+    def _judge_groups(self) -> None:
+        """Find the groups of this poll whose hashes are not block hashes (see
+        :func:`.completeness.unmappable_units`); count their keys in the poll's stats."""
+        by_dep: dict[int, set[int]] = {}
+        for ns in self._cur_ns:
+            if may_rehash(self._ns_info[ns]):
+                unit = self._unit_of[ns]
+                by_dep.setdefault(self._unit_dep[unit], set()).add(unit)
+        candidates = {unit: dep for dep, units in by_dep.items() if len(units) > 1
+                      for unit in units}
+        found = unmappable_units(self.keys, self._unit_of, candidates) if candidates else {}
+        self._unmappable = set(found)
+        self.stats.unmappable_group = sum(found.values())
+        model = {self._unit_of[ns]: getattr(self._ns_info[ns], "model", "")
+                 for ns in self._cur_ns if self._unit_of[ns] in found}
+        self.stats.unmappable = sorted((model[u], self._unit_group[u]) for u in found)
 
     # -- interning -----------------------------------------------------------------
 
@@ -268,15 +273,23 @@ class MasterIndex:
         if parsed is not None:
             ns = self._ns_ids.get(parsed, -1)
             if ns < 0:
-                ns = self._ns_ids[parsed] = len(self._head_of)
+                ns = self._ns_ids[parsed] = len(self._unit_of)
                 self._ns_info.append(parsed)
-                self._head_of.append(
-                    self._head_ids.setdefault(parsed.deployment, len(self._head_ids)))
+                self._unit_of.append(self._intern_unit(parsed))
         elif self.formats != FAMILIES and parse_prefix(text, lay) is not None:
             ns = -2
         if len(self._prefix_ns) < _PREFIX_CACHE_MAX:
             self._prefix_ns[(prefix, layer) if layer else prefix] = ns
         return ns
+
+    def _intern_unit(self, parsed: AnyNamespace) -> int:
+        dep = self._dep_ids.setdefault(parsed.deployment, len(self._dep_ids))
+        unit = self._unit_ids.get((parsed.deployment, parsed.group))
+        if unit is None:
+            unit = self._unit_ids[(parsed.deployment, parsed.group)] = len(self._unit_group)
+            self._unit_group.append(parsed.group)
+            self._unit_dep.append(dep)
+        return unit
 
     def _resolve(self, replicas: Replicas) -> tuple[tuple[str, ...], bool]:
         ips = [self._segmap.ip_of(ep) for ep in replicas]

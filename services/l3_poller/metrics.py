@@ -24,6 +24,7 @@ class PollerMetrics:
     master_blocks: Gauge
     master_stale: Gauge
     keys_unparsed: Gauge
+    keys_unmappable_group: Gauge
     registry: Registry = field(default_factory=Registry)
 
     @classmethod
@@ -59,5 +60,9 @@ class PollerMetrics:
                 p + "keys_unparsed", "keys of the last good poll in no known key family "
                 "(another connector or tenant, or a key format this version does not know)",
                 ["master"]),
+            keys_unmappable_group=r.gauge(
+                p + "keys_unmappable_group", "keys of the last good poll in KV-cache groups "
+                "whose hashes are not vLLM block hashes (vllm-ascend v0.21-v0.24 grouped "
+                "rehash): parsed, but in no L3 set", ["master"]),
             registry=r,
         )

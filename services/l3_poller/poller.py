@@ -44,7 +44,7 @@ from services.l3_poller.client import (
 from services.l3_poller.completeness import pins_by_model
 from services.l3_poller.index import Blocks, MasterIndex, PollStats, SegmentMap
 from services.l3_poller.metrics import PollerMetrics
-from services.l3_poller.status import master_state, note_unparsed
+from services.l3_poller.status import master_state, note_unmappable, note_unparsed
 from services.l3_poller.writer import L3Writer, MasterView
 
 logger = logging.getLogger(__name__)
@@ -148,9 +148,11 @@ class MasterPoller:
         return True
 
     def _note_unparsed(self, stats: PollStats) -> None:
-        before = self.last_stats.skipped["unparsed"] if self.last_stats else 0
+        last = self.last_stats
         self.last_stats = stats
-        note_unparsed(self.url, before, stats, self.cfg.key_formats, self.metrics)
+        note_unparsed(self.url, last.skipped["unparsed"] if last else 0, stats,
+                      self.cfg.key_formats, self.metrics)
+        note_unmappable(self.url, last.unmappable_group if last else 0, stats, self.metrics)
 
     def state(self) -> dict[str, str]:
         """This master's status hash (:data:`.status.STATE_FIELDS`)."""

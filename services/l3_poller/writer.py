@@ -5,18 +5,25 @@ or removed) publishes a :class:`MasterView`, and the writer then replaces the L3
 every registered instance **whose content or state changed** (``Store.replace_l3``: staged
 and renamed, so readers never see half a set; an instance with nothing gets an empty set).
 "Changed" is decided without touching Redis: per instance the writer remembers the
-generation, masters, stale flag and the blake2b digest of each master's (sorted) part it
-last wrote; a new generation, a failed write (Redis error, refused) or :data:`REWRITE_AFTER`
-forces a rewrite. In scope pool every attached instance's set is the whole pool, so
+generation, masters, stale flag and the blake2b digest of each master's (sorted) part of
+each KV-cache group it last wrote (a group that appears or disappears changes that list);
+a new generation, a failed write (Redis error, refused) or :data:`REWRITE_AFTER` forces a
+rewrite. In scope pool every attached instance's set is the whole pool, so
 skipping unchanged sets is what keeps steady-state polls from re-adding the pool N times.
 Writes are serialised by one lock so two masters' publications cannot interleave and leave
 an older union behind.
 
+KV-cache groups are separate sets: an instance whose blocks are all of group 0 is written as
+before (``Store.replace_l3`` with a plain collection: ``ci:{ip}:l3``); one with blocks of
+other groups too gets a mapping group → blocks (group 0 always in it; groups without a
+block are left out, so the store deletes their sets).
+
 State hash per instance, written with the set: ``master`` (comma-separated masters it is
 attached to), ``updated_ms`` (when the oldest of those masters had last been polled
 successfully; refreshed on every poll, also when the set itself is unchanged and not
-rewritten), ``blocks`` and ``stale`` (``1`` when a master it is attached to was
-dropped after ``ingest.l3.staleAfter`` without a good poll).
+rewritten), ``blocks`` (members of all its group sets) and ``stale`` (``1`` when a master it
+is attached to was dropped after ``ingest.l3.staleAfter`` without a good poll); the store
+adds ``groups``.
 
 Each master's poll status (``ci:master:{<url>}:state``) is written here too (:meth:`report`,
 after every poll attempt, only by the master's current poller) and deleted by :meth:`retire`.
@@ -39,6 +46,9 @@ from services.l3_poller.index import Blocks, canonical_ip
 from services.l3_poller.metrics import PollerMetrics
 
 logger = logging.getLogger(__name__)
+
+Part = tuple[str, int, bytes, "array[int]"]
+"""What one master gives an instance in one KV-cache group: (url, group, digest, hashes)."""
 
 REWRITE_AFTER = 600.0
 """Seconds after which an unchanged set is written again anyway: a safety net bounding how
@@ -128,7 +138,7 @@ class L3Writer:
             for inst in instances:
                 parts, masters, polled, stale = self._parts(canonical_ip(inst.ip), inst.gen,
                                                             fallback)
-                mark = (inst.gen, masters, stale, tuple((url, d) for url, d, _ in parts))
+                mark = (inst.gen, masters, stale, tuple(p[:3] for p in parts))
                 last = self._written.pop(inst.ip, None)
                 if last is not None and last[0] == mark and started - last[1] < REWRITE_AFTER:
                     self._written[inst.ip] = last  # same gen, masters, flag and content
@@ -162,42 +172,49 @@ class L3Writer:
         return None if view.attached & registered else url
 
     def _parts(self, ip: str, gen: int, fallback: str | None) -> tuple[
-            list[tuple[str, bytes, array[int]]], tuple[str, ...], list[int], bool]:
-        """What each master gives ``ip``: (url, digest, hashes) per non-empty part, the
-        masters it is attached to, when they were polled, and whether one was dropped."""
-        parts: list[tuple[str, bytes, array[int]]] = []
+            list[Part], tuple[str, ...], list[int], bool]:
+        """What each master gives ``ip``: (url, group, digest, hashes) per non-empty part,
+        the masters it is attached to, when they were polled, and whether one was dropped."""
+        parts: list[Part] = []
         masters: list[str] = []
         polled: list[int] = []
         stale = False
+        pool = self._scope == "pool"
         for url, view in self._views.items():
             if view.gens.get(ip) != gen:
                 continue  # polled for an earlier pod on this IP (or before it registered)
-            if self._scope == "pool":
+            blocks = view.blocks
+            if pool:
                 mine = ip in view.attached or url == fallback
-                key = None
-                hashes = view.blocks.pool if mine else None
             else:
-                key = ip
-                hashes = view.blocks.per_ip.get(ip)
-                mine = ip in view.attached or hashes is not None
+                mine = (ip in view.attached or ip in blocks.per_ip
+                        or any(ip in b.per_ip for b in blocks.groups.values()))
             if not mine:
                 continue
             masters.append(url)
             polled.append(view.polled_ms)
             stale |= view.stale
-            if hashes:
-                parts.append((url, view.blocks.digest(key), hashes))
+            for group, b in blocks.by_group():
+                hashes = b.pool if pool else b.per_ip.get(ip)
+                if hashes:
+                    parts.append((url, group, b.digest(None if pool else ip), hashes))
         return parts, tuple(masters), polled, stale
 
     @staticmethod
-    def _merge(parts: list[tuple[str, bytes, array[int]]], masters: tuple[str, ...],
-               polled: list[int], stale: bool) -> tuple[Collection[int], dict[str, str]]:
-        merged: Collection[int] = (
-            parts[0][2] if len(parts) == 1 else set().union(*(p[2] for p in parts)))
+    def _merge(parts: list[Part], masters: tuple[str, ...], polled: list[int],
+               stale: bool) -> tuple[Collection[int] | dict[int, Collection[int]],
+                                     dict[str, str]]:
+        """The instance's blocks — group 0's collection when it has no other group, else
+        group → blocks — and its state hash."""
+        by_group: dict[int, list[array[int]]] = {0: []}
+        for _, group, _, hashes in parts:
+            by_group.setdefault(group, []).append(hashes)
+        merged = {group: arrays[0] if len(arrays) == 1 else set().union(*arrays)
+                  for group, arrays in by_group.items()}
         state = {
             "master": ",".join(masters),
             "updated_ms": str(min(polled) if polled else int(time.time() * 1000)),
-            "blocks": str(len(merged)),
+            "blocks": str(sum(len(m) for m in merged.values())),
             "stale": "1" if stale else "0",
         }
-        return merged, state
+        return (merged[0] if len(merged) == 1 else merged), state

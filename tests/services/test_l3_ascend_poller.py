@@ -13,6 +13,7 @@ from common.config import Duration
 from tests.conftest import wait_for
 from tests.fake_master import FakeMaster
 from tests.services.test_l3_poller import DIGESTS, INTS, POD_A, POD_B, POD_C, Harness
+from tests.unit.test_l3_groups import rehash
 
 MODEL = "Qwen2.5-7B-Instruct"
 
@@ -108,10 +109,10 @@ def test_master_state_hash(harness_factory: Callable[..., Harness], master: Fake
     h.wait_members(POD_A, set(INTS[:3]))
     state = wait_for(lambda: s if (s := h.store.get_master_state(master.url)).get("keys") == "4"
                      else None, what="the master's status")
-    assert set(state) == {"keys", "keys_unparsed", "sample_unparsed", "blocks", "updated_ms",
-                          "stale", "error"}
-    assert (state["keys_unparsed"], state["blocks"], state["stale"], state["error"]) == (
-        "1", "3", "0", "")
+    assert set(state) == {"keys", "keys_unparsed", "sample_unparsed", "keys_unmappable_group",
+                          "blocks", "updated_ms", "stale", "error"}
+    assert (state["keys_unparsed"], state["keys_unmappable_group"], state["blocks"],
+            state["stale"], state["error"]) == ("1", "0", "3", "0", "")
     assert state["sample_unparsed"] == junk[:200]
     assert int(state["updated_ms"]) > 1_600_000_000_000
     assert h.metrics.keys_unparsed.value(master=master.url) == 1
@@ -132,3 +133,51 @@ def test_master_state_hash(harness_factory: Callable[..., Harness], master: Fake
     assert h.store.get_master_state(master.url)["stale"] == "0"
     h.store.set_masters({})  # retired: its status goes
     wait_for(lambda: not h.store.r.exists(keys.master_state(master.url)), what="status gone")
+
+
+def ckey(block_hex: str, head: int, group: int, family: str = "default") -> str:
+    """v0.20.2rc1 – main normal key of one KV-cache group."""
+    return (f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@pp_rank:0@group:{group}"
+            f"@cache_role:kv@cache_family:{family}@{block_hex}")
+
+
+def hybrid_keys(ep: str, release: str) -> dict[str, tuple[str, ...]]:
+    """TP2; group 0 at hash unit 16 (blocks 0–7), group 1 at block 64 (k = 4): main writes
+    its blocks' last sub-hash, v0.21–v0.24 a sha256 rehash of the four."""
+    out = {ckey(DIGESTS[b].hex(), head, 0): (ep,) for b in range(8) for head in (0, 1)}
+    for j in (0, 1):
+        sub = DIGESTS[4 * j:4 * j + 4]
+        coarse = sub[-1].hex() if release == "main" else rehash(sub).hex()
+        out |= {ckey(coarse, head, 1, "c4"): (ep,) for head in (0, 1)}
+    return out
+
+
+def test_main_hybrid_groups_and_an_unmappable_release(
+        harness_factory: Callable[..., Harness], master: FakeMaster,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="services.l3_poller")
+    ep = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
+    master.set_keys(hybrid_keys(ep, "main"))
+    h = harness_factory()
+    h.register(POD_A)
+    h.start(master)
+    h.wait_members(POD_A, set(INTS[:8]))
+    wait_for(lambda: h.store.l3_members(POD_A, 1) == {INTS[3], INTS[7]}, what="group 1")
+    state = wait_for(lambda: s if (s := h.store.get_master_state(master.url)).get("keys")
+                     == "20" else None, what="the master's status")
+    assert (state["keys_unmappable_group"], state["blocks"]) == ("0", "10")
+    # the same model on v0.21–v0.24: group 1 is a rehash; nothing is guessed
+    master.set_keys(hybrid_keys(ep, "v0.23.0"))
+    h.wait_members(POD_A, set())
+    assert h.store.l3_members(POD_A, 1) == set()
+    state = wait_for(lambda: s if (s := h.store.get_master_state(master.url)).get(
+        "keys_unmappable_group") == "20" else None, what="unmappable keys in the status")
+    assert (state["keys_unparsed"], state["blocks"]) == ("0", "0")
+    assert h.metrics.keys_unmappable_group.value(master=master.url) == 20
+    warned = [r.getMessage() for r in caplog.records if "share no block hash" in r.getMessage()]
+    assert len(warned) == 1 and f"{MODEL} group 1" in warned[0]
+    master.set_keys(hybrid_keys(ep, "main"))
+    wait_for(lambda: h.store.get_master_state(master.url)["keys_unmappable_group"] == "0",
+             what="mappable again")
+    h.wait_members(POD_A, set(INTS[:8]))
+    assert h.metrics.keys_unmappable_group.value(master=master.url) == 0

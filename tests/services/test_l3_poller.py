@@ -13,6 +13,7 @@ import httpx
 import pytest
 import redis
 
+from common import keys
 from common.blockhash import BlockHasher, HashSettings
 from common.settings import L3PollerSettings
 from common.store import Instance, Store
@@ -155,6 +156,38 @@ def test_tp2_block_missing_one_rank(harness_factory: Callable[..., Harness],
     master.remove(vkey(2, 1, "TP2"))
     h.wait_members(POD_A, {INTS[0], INTS[1], INTS[3]})
     assert h.members(POD_B) == {INTS[0], INTS[1], INTS[3]}
+
+
+def gkey(block: int, tp: int, group: int) -> str:
+    return f"Hybrid@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@{DIGESTS[block].hex()}"
+
+
+def test_hybrid_groups_are_separate_sets(harness_factory: Callable[..., Harness],
+                                         master: FakeMaster) -> None:
+    """vLLM in-tree TP2 hybrid: full-attention group 0 at every block, sliding-window group 1
+    at the tails only (blocks 3 and 5). Each group is its own set in Redis."""
+    ep_a = master.mount(f"{POD_A}:12300", f"{POD_A}:15000")
+    ep_b = master.mount(f"{POD_A}:12301", f"{POD_A}:15001")
+    for b in range(6):
+        for tp, ep in ((0, ep_a), (1, ep_b)):
+            master.put(gkey(b, tp, 0), ep)
+            if b in (3, 5):
+                master.put(gkey(b, tp, 1), ep)
+    h = harness_factory()
+    h.register(POD_A, POD_B)
+    h.start(master)
+    h.wait_members(POD_A, set(INTS[:6]))
+    wait_for(lambda: h.store.l3_members(POD_A, 1) == {INTS[3], INTS[5]}, what="group 1")
+    state = h.store.l3_state(POD_A)
+    assert state["groups"] == "0,1" and state["blocks"] == "8"
+    master.remove(gkey(5, 1, 1))  # block 5 loses one rank in group 1: group 1 only
+    wait_for(lambda: h.store.l3_members(POD_A, 1) == {INTS[3]}, what="group 1 without 5")
+    assert h.members(POD_A) == set(INTS[:6])
+    master.remove(gkey(3, 0, 1))  # group 1 empty: its set goes
+    wait_for(lambda: h.store.l3_state(POD_A).get("groups") == "0", what="group 1 gone")
+    assert not h.store.r.exists(keys.l3_group_set(POD_A, 1))
+    assert h.members(POD_A) == set(INTS[:6])
+    assert h.store.l3_state(POD_B)["groups"] == "0" and h.members(POD_B) == set()
 
 
 def test_pool_scope_and_standalone_fallback(harness_factory: Callable[..., Harness],

@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 from array import array
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 import pytest
 import redis
 
+from common import keys
 from common.store import Instance, Store
 from services.l3_poller.index import Blocks
 from services.l3_poller.metrics import PollerMetrics
@@ -28,12 +29,16 @@ class CountingStore(Store):
         self.replaced: Counter[str] = Counter()
         self.fail = False
         self.refuse: set[str] = set()
+        self.mapped: list[str] = []
+        """IPs written with a group mapping (not a plain collection), in order."""
 
-    def replace_l3(self, ip: str, hashes: Iterable[int], state: dict[str, str] | None = None,
-                   gen: int | None = None) -> bool:
+    def replace_l3(self, ip: str, hashes: Iterable[int] | Mapping[int, Iterable[int]],
+                   state: dict[str, str] | None = None, gen: int | None = None) -> bool:
         if self.fail:
             raise redis.ConnectionError("injected")
         self.replaced[ip] += 1
+        if isinstance(hashes, Mapping):
+            self.mapped.append(ip)
         if ip in self.refuse:  # what the script answers when the generation moved meanwhile
             return False
         return super().replace_l3(ip, hashes, state, gen=gen)
@@ -117,3 +122,56 @@ def test_segment_scope_rewrites_only_the_instance_that_changed(store: CountingSt
     assert writer.publish(MASTER, view({1, 2}, {3, 4}, 3), "owner")
     assert store.replaced == {POD_A: 1, POD_B: 2}
     assert store.l3_members(POD_B) == {3, 4} and store.l3_state(POD_B)["blocks"] == "2"
+
+
+def test_groups_are_written_as_sets_and_take_part_in_change_detection(
+        store: CountingStore) -> None:
+    writer = L3Writer(store, "segment", PollerMetrics.register())
+    writer.enroll(MASTER, "owner")
+
+    def view(a: dict[int, set[int]], polled: int) -> MasterView:
+        def blocks(hashes: set[int]) -> Blocks:
+            return Blocks({POD_A: array("Q", sorted(hashes))} if hashes else {}, None,
+                          len(hashes))
+        top = blocks(a.get(0, set()))
+        top.groups = {g: blocks(h) for g, h in a.items() if g}
+        return MasterView(top, frozenset({POD_A, POD_B}), polled, gens=writer.generations())
+
+    assert writer.publish(MASTER, view({0: {1, 2, 3}}, 1), "owner")
+    assert store.mapped == []  # single group: today's plain write
+    assert writer.publish(MASTER, view({0: {1, 2, 3}, 1: {3}}, 2), "owner")
+    assert store.replaced[POD_A] == 2 and store.mapped == [POD_A]
+    assert (store.l3_members(POD_A), store.l3_members(POD_A, 1)) == ({1, 2, 3}, {3})
+    assert store.l3_state(POD_A)["groups"] == "0,1" and store.l3_state(POD_A)["blocks"] == "4"
+    assert writer.publish(MASTER, view({0: {1, 2, 3}, 1: {3}}, 3), "owner")
+    assert store.replaced[POD_A] == 2  # unchanged groups: not rewritten
+    assert writer.publish(MASTER, view({0: {1, 2, 3}, 1: {2}}, 4), "owner")
+    assert store.replaced[POD_A] == 3 and store.l3_members(POD_A, 1) == {2}  # group 1 moved
+    assert writer.publish(MASTER, view({0: {1, 2, 3}, 2: {2}}, 5), "owner")
+    assert store.replaced[POD_A] == 4  # the same hashes in another group are a change
+    assert store.l3_state(POD_A)["groups"] == "0,2"
+    assert not store.r.exists(keys.l3_group_set(POD_A, 1))
+    assert writer.publish(MASTER, view({1: {5}}, 6), "owner")  # group 0 empty, still written
+    assert (store.l3_members(POD_A), store.l3_members(POD_A, 1)) == (set(), {5})
+    assert store.l3_state(POD_A)["groups"] == "0,1"
+    assert writer.publish(MASTER, view({0: {1}}, 7), "owner")  # back to one group
+    assert store.mapped[-1] == POD_A and len(store.mapped) == 4
+    assert store.l3_state(POD_A)["groups"] == "0" and store.l3_members(POD_A) == {1}
+    assert not store.r.exists(keys.l3_group_set(POD_A, 1))
+    assert store.replaced[POD_B] == 1  # B has nothing in any group: written once
+
+
+def test_groups_of_two_masters_are_merged_per_group(store: CountingStore) -> None:
+    writer = L3Writer(store, "pool", PollerMetrics.register())
+    for url in (MASTER, MASTER + "2"):
+        writer.enroll(url, "owner")
+
+    def view(g0: set[int], g1: set[int]) -> MasterView:
+        top = Blocks({}, array("Q", sorted(g0)), len(g0 | g1))
+        top.groups = {1: Blocks({}, array("Q", sorted(g1)), len(g1))}
+        return MasterView(top, frozenset({POD_A}), 1, gens=writer.generations())
+
+    assert writer.publish(MASTER, view({1, 2}, {2}), "owner")
+    assert writer.publish(MASTER + "2", view({3}, {3}), "owner")
+    assert (store.l3_members(POD_A), store.l3_members(POD_A, 1)) == ({1, 2, 3}, {2, 3})
+    assert store.l3_members(POD_B) == set() and store.l3_state(POD_B)["groups"] == "0"

@@ -140,16 +140,36 @@ def test_deployments_are_judged_separately() -> None:
     assert complete(MasterIndex(locate=False), tp2_c, 0) == {1}
 
 
-def test_every_group_and_only_pcp0_dcp0() -> None:
+def groups_of(index: MasterIndex, keys: Iterable[str], now: float) -> dict[int, set[int]]:
+    complete(index, keys, now)
+    return {g: set(b.pool or ()) for g, b in index.blocks("pool").by_group() if b.pool}
+
+
+def test_groups_are_sets_and_only_pcp0_dcp0_counts() -> None:
     h = f"{7:064x}"
     base = "M@pcp{p}@dcp{d}@head_or_tp_rank:0@pp_rank:0@group:{g}@cache_role:kv@cache_family:{f}@"
     g0, g1 = base.format(p=0, d=0, g=0, f="default") + h, base.format(p=0, d=0, g=1, f="c4") + h
     shard = base.format(p=0, d=1, g=0, f="default") + h
     index = MasterIndex(locate=False)
-    assert complete(index, [g0, g1, shard], 0) == {7}
-    assert complete(index, [g0, shard], 1) == set()  # group 1 missing
-    assert complete(index, [g0, g1], 2) == {7}  # dcp1 shard: the lookup does not check it
-    assert complete(index, [shard, g1], 3) == set()
+    assert groups_of(index, [g0, g1, shard], 0) == {0: {7}, 1: {7}}
+    assert groups_of(index, [g0, shard], 1) == {0: {7}}  # group 1 missing: group 0 stands
+    assert groups_of(index, [g0, g1], 2) == {0: {7}, 1: {7}}  # the lookup ignores dcp1
+    assert groups_of(index, [shard, g1], 3) == {1: {7}}  # dcp1 alone is no block
+
+
+def test_role_and_family_are_needed_within_a_group() -> None:
+    """Within one group a block needs every (cache_role, cache_family) seen: the role tells
+    apart kv and state objects of the same block, and the load needs both."""
+    h = f"{9:064x}"
+    base = "M@pcp0@dcp0@head_or_tp_rank:{r}@pp_rank:0@group:1@cache_role:{role}@cache_family:c4@"
+    kv = [base.format(r=r, role="kv") + h for r in (0, 1)]
+    state = base.format(r=0, role="state") + h
+    group0 = "M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default@"
+    others = [group0 + h]
+    index = MasterIndex(locate=False)
+    assert groups_of(index, [*others, *kv, state], 0) == {0: {9}, 1: {9}}
+    assert groups_of(index, [*others, *kv], 1) == {0: {9}}  # the state object is missing
+    assert groups_of(index, [*others, kv[0], state], 2) == {0: {9}}  # head 1's kv missing
 
 
 def test_basename_of_pins() -> None:

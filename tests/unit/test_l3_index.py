@@ -86,14 +86,50 @@ def test_a_namespace_that_vanishes_whole_is_still_required_for_a_while() -> None
     assert sets(index.blocks("segment")) == {"10.0.0.1": set(INTS[:3])}
 
 
-def test_every_group_is_needed_and_models_are_judged_separately() -> None:
+def group_sets(blocks: Blocks) -> dict[int, dict[str, set[int]]]:
+    return {g: sets(b) for g, b in blocks.by_group()}
+
+
+def test_groups_are_separate_sets_and_models_are_judged_separately() -> None:
+    """A hybrid's sliding-window group 1 stores only tails (blocks 2 and 5); full-attention
+    group 0 every block. Completeness over the TP ranks is judged within each group."""
     index = MasterIndex()
-    where = {key(b, group=g): (A,) for b in range(3) for g in (0, 1)}
-    del where[key(1, group=1)]
+    where = {key(b, tp, group=0): (A,) for b in range(6) for tp in (0, 1)}
+    where |= {key(b, tp, group=1): (A,) for b in (2, 5) for tp in (0, 1)}
+    del where[key(5, 1, group=1)]  # block 5 lost its rank-1 key in group 1 only
+    del where[key(3, 1, group=0)]  # block 3 lost its rank-1 key in group 0 only
     where[key(4, model="Other")] = (B,)  # another model with one namespace
     poll(index, where)
-    assert sets(index.blocks("segment")) == {"10.0.0.1": {INTS[0], INTS[2]},
-                                             "10.0.0.2": {INTS[4]}}
+    blocks = index.blocks("segment")
+    g0 = {INTS[b] for b in (0, 1, 2, 4, 5)}
+    assert group_sets(blocks) == {0: {"10.0.0.1": g0, "10.0.0.2": {INTS[4]}},
+                                  1: {"10.0.0.1": {INTS[2]}}}
+    assert blocks.complete == 5 + 1 + 1 and blocks.groups[1].complete == 1
+    pool = MasterIndex(locate=False)
+    poll(pool, where)
+    result = pool.blocks("pool")
+    assert set(result.pool or ()) == g0 and set(result.groups[1].pool or ()) == {INTS[2]}
+    assert result.complete == 7
+
+
+def test_old_rule_group_as_dimension_is_gone() -> None:
+    """The rule this replaces: every group seen was needed at every block. Group 1 holding a
+    single block must not empty group 0."""
+    index = MasterIndex(locate=False)
+    poll(index, {**{key(b): () for b in range(4)}, key(3, group=1): ()})
+    result = index.blocks("pool")
+    assert set(result.pool or ()) == set(INTS[:4])
+    assert set(result.groups[1].pool or ()) == {INTS[3]}
+
+
+def test_single_group_results_have_no_group_entries() -> None:
+    """vLLM 0.21 keys (no ``@group:``) are group 0, the same namespace as ``@group:0``."""
+    old = f"Qwen@tp_rank:0@pcp0@dcp0@pp_rank:0@{DIGESTS[1].hex()}".encode()
+    index = MasterIndex()
+    poll(index, {key(0): (A,), old: (A,), key(1, tp=1): (A,)})
+    blocks = index.blocks("segment")
+    assert blocks.groups == {} and sets(blocks) == {"10.0.0.1": {INTS[1]}}
+    assert len(index._unit_group) == 1
 
 
 def test_located_keys_are_not_queried_again_until_their_segment_goes() -> None:
