@@ -27,8 +27,10 @@ Decisions (what vLLM does, or what we do where it gives no answer):
 - Groups with equal ``(kind, B, window, chunk)`` form one class: an index counts only where
   every member holds it (vLLM's ``get_cached_block``). Full-attention classes go first; their
   hit is computed once, later passes only trim to it (it is downward-closed).
-- Flags are 0/1 (or bools); scans use C-level slicing and iterators, never a Python loop per
-  index: this runs per candidate per request.
+- Speed (this runs per candidate per request): a class's flags become one byte per index
+  (``bytearray`` of a slice, ANDed across members as big ints) searched with ``find`` and
+  ``rfind``: C speed, no Python loop per index. FA stops at the first miss; SWA first tries
+  the window just before the bound; Mamba reads right to left in segments.
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ _LOCAL_KINDS = SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND}  # never fine-grained
 
 @dataclass(frozen=True)
 class GroupSpec:
-    kind: str | None
-    block_size: int
-    sliding_window: int | None = None
-    chunk: int | None = None
+    """One KV-cache group as the events (and config) describe it."""
+
+    kind: str | None  # kv_cache_spec_kind wire string; None = not sent (vLLM < 0.22)
+    block_size: int  # B in tokens, a multiple of h
+    sliding_window: int | None = None  # tokens; SWA kinds only
+    chunk: int | None = None  # chunked-local chunk size, tokens (from config, not the wire)
 
 
 class Inexact(StrEnum):
