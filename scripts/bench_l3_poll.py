@@ -19,11 +19,17 @@ With ``--real-master`` the same first/steady polls run against a real ``mooncake
 random placement over their two segments); store clients listen on all interfaces, so run
 it in a private network namespace.
 
+With ``--hybrid`` the keys are those of a vLLM hybrid instead: per block the TP-2 keys of
+full-attention group 0 plus, for every 4th block, those of a sliding-window group 1 (tails):
+N keys in all, so the per-group path (one set per group) is measured against the same key
+count.
+
 With ``--formats`` it compares the key families instead (scripts/bench_l3_formats.py):
 vLLM keys, vllm-ascend normal keys and vllm-ascend layer-wise keys (TP2 × 24 layers, both
 layouts), steady-state polls of the same key count side by side in one run.
 
 Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]``,
+``python scripts/bench_l3_poll.py --hybrid --sizes 1000000``,
 ``python scripts/bench_l3_poll.py --formats --sizes 1000000`` and
 ``unshare -n sh -c 'ip link set lo up && python scripts/bench_l3_poll.py --real-master'``.
 Prints Markdown.
@@ -67,24 +73,35 @@ PODS = [f"10.0.0.{i}" for i in range(1, 9)]
 
 # -- the fake master process ------------------------------------------------------------
 
-def _block_keys(rng: random.Random, n_blocks: int, eps: list[str]) -> dict[str, tuple[str, ...]]:
+def _block_keys(rng: random.Random, n_blocks: int, eps: list[str],
+                hybrid: bool = False) -> dict[str, tuple[str, ...]]:
+    """TP-2 keys of ``n_blocks`` blocks; ``hybrid``: group 1 too at every 4th block (so
+    ``n_blocks`` is scaled by the caller to keep the key count)."""
     keys: dict[str, tuple[str, ...]] = {}
-    for _ in range(n_blocks):
+    for i in range(n_blocks):
         digest = rng.randbytes(32).hex()
-        for tp in (0, 1):
-            keys[f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}"] = (
-                rng.choice(eps),)
+        for group in (0, 1) if hybrid and i % 4 == 3 else (0,):
+            for tp in (0, 1):
+                keys[f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@{digest}"] = (
+                    rng.choice(eps),)
     return keys
 
 
+def _blocks_for(n_keys: int, hybrid: bool) -> int:
+    return n_keys * 4 // 10 if hybrid else n_keys // 2  # hybrid: 2.5 keys per block
+
+
 def serve(n_keys: int, family: str = "") -> None:
-    """Child: serve N keys; on stdin ``churn F`` replace a fraction F of the blocks."""
+    """Child: serve N keys; on stdin ``churn F`` replace a fraction F of the blocks
+    (``family`` "hybrid": the hybrid keys of ``_block_keys``)."""
+    hybrid = family == "hybrid"
+    family = "" if hybrid else family
     rng = random.Random(7)
     master = FakeMaster("0.3.13")
     master.record_paths = False
     eps = [master.mount(f"{ip}:{12300 + r}", f"{ip}:{15000 + r}") for ip in PODS for r in (0, 1)]
     master.set_keys(bench_l3_formats.family_keys(rng, family, n_keys, eps) if family
-                    else _block_keys(rng, n_keys // 2, eps))
+                    else _block_keys(rng, _blocks_for(n_keys, hybrid), eps, hybrid))
     master.all_keys_body()
     master.start()
     print(master.url, flush=True)
@@ -92,7 +109,8 @@ def serve(n_keys: int, family: str = "") -> None:
         frac = float(line.split()[1])
         keys = list(master.keys.items())
         cut = int(len(keys) * frac) // 2 * 2
-        master.set_keys({**dict(keys[cut:]), **_block_keys(rng, cut // 2, eps)})
+        master.set_keys({**dict(keys[cut:]),
+                         **_block_keys(rng, _blocks_for(cut, hybrid), eps, hybrid)})
         master.all_keys_body()
         print("ok", flush=True)
 
@@ -176,7 +194,7 @@ def _wait_http(url: str) -> None:
 # -- the measuring process --------------------------------------------------------------
 
 class Bench:
-    def __init__(self, n_keys: int) -> None:
+    def __init__(self, n_keys: int, hybrid: bool = False) -> None:
         self.n = n_keys
         self.redis = RedisServer().start()
         import redis
@@ -185,7 +203,8 @@ class Bench:
         for ip in PODS:
             self.store.upsert_instance(Instance(ip=ip, uid=ip))
         self.server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(n_keys)],
+            [sys.executable, __file__, "--serve", str(n_keys),
+             *(["--family", "hybrid"] if hybrid else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.server.stdout is not None
         self.url = self.server.stdout.readline().strip()
@@ -284,8 +303,8 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child(n_keys: int) -> None:
-    bench = Bench(n_keys)
+def child(n_keys: int, hybrid: bool = False) -> None:
+    bench = Bench(n_keys, hybrid)
     try:
         bench.out["rss_before_MB"] = _rss_mb()
         bench.timing()
@@ -332,6 +351,8 @@ def main() -> None:
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--formats", action="store_true", help="compare the key families")
     p.add_argument("--family", default="", help=argparse.SUPPRESS)
+    p.add_argument("--hybrid", action="store_true",
+                   help="a vLLM hybrid's keys: group 0 everywhere, group 1 at every 4th block")
     args = p.parse_args()
     if args.put:
         put_client(args.put, args.host, args.master)
@@ -354,11 +375,12 @@ def main() -> None:
                                  for n in args.sizes.split(",")])
         return
     if args.child:
-        child(args.child)
+        child(args.child, args.hybrid)
         return
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        out = subprocess.run([sys.executable, __file__, "--child", str(n)], check=True,
+        out = subprocess.run([sys.executable, __file__, "--child", str(n),
+                              *(["--hybrid"] if args.hybrid else [])], check=True,
                              capture_output=True, text=True, env={**os.environ})
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     report(rows)
