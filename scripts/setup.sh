@@ -68,12 +68,17 @@ if ! $PY -c 'import helm_python' 2>/dev/null; then
   fi
 fi
 
+# The real vLLM engine's own venv (tests/integration/test_real_vllm_engine.py), outside the tree.
+scripts/setup_vllm_engine.sh
+
 # Check the result: every tool and module the suite needs is there now.
 missing=()
 for tool in redis-server ip unshare openssl mooncake_master cache-indexer \
             aarch64-linux-gnu-gcc s390x-linux-gnu-gcc qemu-aarch64 qemu-s390x; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
+VLLM_ENGINE_PY="${VLLM_ENGINE_VENV:-/var/tmp/cache-indexer-vllm-engine-0.32.0}/bin/python"
+[ -x "$VLLM_ENGINE_PY" ] || missing+=("$VLLM_ENGINE_PY")
 # shellcheck disable=SC2207,SC2086 # module names have no spaces
 missing+=($(missing_modules $MODULES helm_python))
 if [ ${#missing[@]} -gt 0 ]; then
