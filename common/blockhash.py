@@ -146,7 +146,10 @@ def seed_none_hash(algo: str, seed: str) -> bytes:
 
 
 def chain_digests(
-    algo: str, parent: bytes, token_ids: Sequence[int], block_size: int,
+    algo: str,
+    parent: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
     extra_keys: Sequence[ExtraKeys],
 ) -> list[bytes]:
     """Digests of ``len(extra_keys)`` consecutive full blocks chained from ``parent``, each
@@ -164,8 +167,9 @@ def chain_digests(
         else:
             ids_u64, _ = cbor.id_array(block, 1 << 64)
             body = cbor.encode_blocks_per_id(ids_u64, block_size)[0]
-            preimage = b"".join((cbor.PREIMAGE_HEAD, parent, cbor.head(4, block_size), body,
-                                 cbor.encode(extra)))  # fmt: skip
+            preimage = b"".join(
+                (cbor.PREIMAGE_HEAD, parent, cbor.head(4, block_size), body, cbor.encode(extra))
+            )
         parent = hashlib.sha256(preimage).digest()
         digests.append(parent)
     return digests
@@ -208,8 +212,9 @@ class BlockHasher:
         lora_path: str | None = None,
     ) -> list[int]:
         """The block hashes as KV events carry them (uint64 of each digest's last 8 bytes)."""
-        return _event_ints(self._digest_blob(token_ids, block_size, cache_salt, lora_name,
-                                             lora_path))
+        return _event_ints(
+            self._digest_blob(token_ids, block_size, cache_salt, lora_name, lora_path)
+        )
 
     def member_keys(
         self,
@@ -239,18 +244,31 @@ class BlockHasher:
         extra keys), built by the same loop as ``digests``; for tests and debugging."""
         return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, True)[1]
 
-    def _digest_blob(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None,
-                     lora_name: str | None, lora_path: str | None) -> bytes:
+    def _digest_blob(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None,
+        lora_name: str | None,
+        lora_path: str | None,
+    ) -> bytes:
         """Every full block's digest, back to back: straight from the C chain when it is
         there (no per-block objects at all), else joined from :meth:`_chain`."""
         blob = self._c_digests(token_ids, block_size, cache_salt, lora_name, lora_path)
         if blob is None:
-            blob = b"".join(self._chain(token_ids, block_size, cache_salt, lora_name, lora_path,
-                                        False)[0])
+            blob = b"".join(
+                self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, False)[0]
+            )
         return blob
 
-    def _c_digests(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None,
-                   lora_name: str | None, lora_path: str | None) -> bytes | None:
+    def _c_digests(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None,
+        lora_name: str | None,
+        lora_path: str | None,
+    ) -> bytes | None:
         """The digests from one C call (every id validated first, those of the partial block
         too), or None where the C chain does not apply (not built, no libcrypto SHA-256, or
         the pickle algorithm)."""
@@ -260,8 +278,9 @@ class BlockHasher:
         _check_block_size(block_size)
         first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
         words = cbor.id_words(token_ids, self._token_limit)
-        return encoder.chain(words, block_size, cbor.encode(first), cbor.encode(rest),
-                             self._none_hash)
+        return encoder.chain(
+            words, block_size, cbor.encode(first), cbor.encode(rest), self._none_hash
+        )
 
     def _chain(
         self,
@@ -289,8 +308,11 @@ class BlockHasher:
         """(extra keys of block 0, extra keys of every later block), per spec §4.4."""
         if cache_salt is None and lora_name is None and lora_path is None:
             return None, None  # the common case, first
-        for label, value in (("cache_salt", cache_salt), ("lora_name", lora_name),
-                             ("lora_path", lora_path)):  # fmt: skip
+        for label, value in (
+            ("cache_salt", cache_salt),
+            ("lora_name", lora_name),
+            ("lora_path", lora_path),
+        ):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{label} must be a string, not {type(value).__name__}")
         tagged = tags_extra_keys(self.settings.vllm_version)
@@ -306,8 +328,10 @@ class BlockHasher:
                 raise ValueError("lora_path was given without lora_name")
             return []
         if self.settings.vllm_version < _LORA_NAME_SINCE:
-            raise ValueError("vLLM < 0.12 keys LoRA blocks by the server's lora_int_id, "
-                             "which cannot be derived from a LoRA name")  # fmt: skip
+            raise ValueError(
+                "vLLM < 0.12 keys LoRA blocks by the server's lora_int_id, "
+                "which cannot be derived from a LoRA name"
+            )
         if not tagged:
             return [name]
         if not path:
@@ -328,8 +352,7 @@ class BlockHasher:
         block, one slice, one join and one sha256 (``docs/design.md``, "Block hashing")."""
         encoder = native.ENCODER
         if encoder is not None:
-            return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail,
-                                      keep)
+            return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail, keep)
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
         array_head = _array_head(block_size)
         parent, block_tail = self._none_hash, first_tail

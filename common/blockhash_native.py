@@ -64,8 +64,9 @@ class Encoder:
             if not self._chain_agrees():
                 self.sha, self.sha_source = None, f"{self.sha_source} disagreed with hashlib"
 
-    def chain(self, ids: IdWords, block_size: int, first_tail: bytes, tail: bytes,
-              parent: bytes) -> bytes:
+    def chain(
+        self, ids: IdWords, block_size: int, first_tail: bytes, tail: bytes, parent: bytes
+    ) -> bytes:
         """The 32-byte digests of every full block of ``ids``, back to back, chained from
         ``parent``, in one C call (only when :attr:`sha` is set). ``ids`` is an
         ``array("Q")`` or a C-contiguous native uint64 numpy array."""
@@ -87,9 +88,23 @@ class Encoder:
         at_scratch = at_ctx + _SHA_CTX_BYTES
         work = ctypes.create_string_buffer(at_scratch + cap)
         base = ctypes.addressof(work)
-        _ARGS.pack_into(work, 0, address, blocks, block_size, base + at_tails, len(first_tail),
-                        base + at_tails + len(first_tail), len(tail), base + _ARGS.size,
-                        base + at_digests, base + at_scratch, cap, base + at_ctx, *self.sha)
+        _ARGS.pack_into(
+            work,
+            0,
+            address,
+            blocks,
+            block_size,
+            base + at_tails,
+            len(first_tail),
+            base + at_tails + len(first_tail),
+            len(tail),
+            base + _ARGS.size,
+            base + at_digests,
+            base + at_scratch,
+            cap,
+            base + at_ctx,
+            *self.sha,
+        )
         header = parent + first_tail + tail
         struct.pack_into(f"{len(header)}s", work, _ARGS.size, header)
         if self._chain(work) != 0:
@@ -108,8 +123,10 @@ class Encoder:
 
     def _chain_agrees(self) -> bool:
         """The C chain against preimages hashed by hashlib, on ids of every CBOR width."""
-        ids = np.array([0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1] * 3
-                       + [151_935] * 2, np.uint64)
+        ids = np.array(
+            [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1] * 3 + [151_935] * 2,
+            np.uint64,
+        )
         parent = hashlib.sha256(b"self-test").digest()
         for block_size, first, rest in ((4, b"\xf6", b"\xf6"), (1, b"\x81\x61a", b"\xf6")):
             try:
@@ -126,8 +143,9 @@ class Encoder:
                 return False
         return True
 
-    def preimages(self, ids: npt.NDArray[np.uint64], block_size: int, first_tail: bytes,
-                  tail: bytes) -> tuple[bytearray, list[int]]:
+    def preimages(
+        self, ids: npt.NDArray[np.uint64], block_size: int, first_tail: bytes, tail: bytes
+    ) -> tuple[bytearray, list[int]]:
         """Every block's preimage, parents zeroed, in one buffer, and each block's end offset.
         ``ids`` is a C-contiguous native uint64 array of a whole number of blocks (any value:
         the C code writes 9-byte ints too); ``first_tail`` ends block 0, ``tail`` the rest."""
@@ -139,9 +157,18 @@ class Encoder:
         out = bytearray(cap)
         ends = array("Q", bytes(8 * blocks))
         buffer = (ctypes.c_char * cap).from_buffer(out)
-        written = self._preimages(ids.ctypes.data, blocks, block_size, first_tail, len(first_tail),
-                             tail, len(tail), ctypes.addressof(buffer), cap,
-                             ends.buffer_info()[0])
+        written = self._preimages(
+            ids.ctypes.data,
+            blocks,
+            block_size,
+            first_tail,
+            len(first_tail),
+            tail,
+            len(tail),
+            ctypes.addressof(buffer),
+            cap,
+            ends.buffer_info()[0],
+        )
         del buffer  # releases the export, so ``out`` may be resized
         if written == 0:  # cannot happen: cap is the worst case
             raise RuntimeError("the C block encoder ran out of room")
@@ -188,12 +215,15 @@ ENCODER: Encoder | None = _load()
 def status() -> str:
     """One line for logs: which CBOR encoder this process hashes with."""
     if ENCODER is not None and ENCODER.sha is not None:
-        return (f"block hashing: C encoder and chain ({ENCODER.path}, SHA-256 of "
-                f"{ENCODER.sha_source})")
+        return (
+            f"block hashing: C encoder and chain ({ENCODER.path}, SHA-256 of {ENCODER.sha_source})"
+        )
     if ENCODER is not None:
         why = ENCODER.sha_source or "no libcrypto with SHA256_Init found"
         return f"block hashing: C encoder, SHA-256 by hashlib per block ({ENCODER.path}; {why})"
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"block hashing: numpy encoder ({DISABLE_ENV} is set)"
-    return ("block hashing: numpy encoder (the C encoder common/_cbor_blocks was not built: "
-            "install with a C compiler present, e.g. `pip install -e .`)")
+    return (
+        "block hashing: numpy encoder (the C encoder common/_cbor_blocks was not built: "
+        "install with a C compiler present, e.g. `pip install -e .`)"
+    )

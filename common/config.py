@@ -342,8 +342,10 @@ def _check_token_counts(cfg: Config, problems: list[str]) -> None:
     entries: list[tuple[str, IngestL1 | L1Model]] = [("ingest.l1", l1)]
     entries += [(f"ingest.l1.models[{i}]", m) for i, m in enumerate(l1.models)]
     for where, entry in entries:
-        for camel, value in (("prefixMatchUnit", entry.prefix_match_unit),
-                             ("attentionChunkSize", entry.attention_chunk_size)):
+        for camel, value in (
+            ("prefixMatchUnit", entry.prefix_match_unit),
+            ("attentionChunkSize", entry.attention_chunk_size),
+        ):
             if value < 0:
                 problems.append(f"{where}.{camel}: must be 0 (unknown) or a number of tokens")
     names = [m.name for m in l1.models]
@@ -394,8 +396,12 @@ def _check_redis(r: Redis, problems: list[str]) -> None:
         problems.append(f"redis.url: {r.url!r} is not a redis://, rediss:// or unix:// URL")
     if r.cluster and r.url.startswith("unix://"):
         problems.append("redis.cluster: a cluster is reached over TCP, not a unix:// URL")
-    for name, path in (("passwordFile", r.password_file), ("tls.caFile", r.tls.ca_file),
-                       ("tls.certFile", r.tls.cert_file), ("tls.keyFile", r.tls.key_file)):
+    for name, path in (
+        ("passwordFile", r.password_file),
+        ("tls.caFile", r.tls.ca_file),
+        ("tls.certFile", r.tls.cert_file),
+        ("tls.keyFile", r.tls.key_file),
+    ):
         if path and not os.access(path, os.R_OK):
             problems.append(f"redis.{name}: cannot read {path}")
     if bool(r.tls.cert_file) != bool(r.tls.key_file):
@@ -414,8 +420,9 @@ def _check_l3_keys(l3: IngestL3, problems: list[str]) -> None:
         problems.append(f"ingest.l3.keyFormats: must name at least one of {list(KEY_FORMATS)}")
     for i, name in enumerate(formats):
         if name not in KEY_FORMATS:
-            problems.append(f"ingest.l3.keyFormats[{i}]: {name!r} is not one of "
-                            f"{list(KEY_FORMATS)}")
+            problems.append(
+                f"ingest.l3.keyFormats[{i}]: {name!r} is not one of {list(KEY_FORMATS)}"
+            )
     seen: set[str] = set()
     for i, model in enumerate(l3.models):
         where = f"ingest.l3.models[{i}]"
@@ -425,8 +432,11 @@ def _check_l3_keys(l3: IngestL3, problems: list[str]) -> None:
         elif base in seen:
             problems.append(f"{where}.name: {model.name!r} is pinned twice")
         seen.add(base)
-        for field_name, value in (("heads", model.heads), ("ppRanks", model.pp_ranks),
-                                  ("layers", model.layers)):
+        for field_name, value in (
+            ("heads", model.heads),
+            ("ppRanks", model.pp_ranks),
+            ("layers", model.layers),
+        ):
             if value < 0:
                 problems.append(f"{where}.{field_name}: must be >= 0 (0 = inferred), got {value}")
 

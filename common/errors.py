@@ -1,12 +1,12 @@
 """The project's error hierarchy; what each kind of error makes a process do.
 
-    CacheIndexerError
-     ├── ConfigError        a bad config file or flag: the process exits with status 2
-     ├── DecodeError        a malformed message (KV-event payload, Mooncake body): drop it, count it
-     │    └── NotABatchError  a ZMQ payload that is not an EventBatch at all
-     ├── UpstreamError      Redis, a vLLM socket, a master or Kubernetes failed: back off, retry
-     │    └── FencedError   a write was refused because this writer lost its lease or generation
-     └── RequestError       a bad hit-rate request: answered with its HTTP status
+CacheIndexerError
+ ├── ConfigError        a bad config file or flag: the process exits with status 2
+ ├── DecodeError        a malformed message (KV-event payload, Mooncake body): drop it, count it
+ │    └── NotABatchError  a ZMQ payload that is not an EventBatch at all
+ ├── UpstreamError      Redis, a vLLM socket, a master or Kubernetes failed: back off, retry
+ │    └── FencedError   a write was refused because this writer lost its lease or generation
+ └── RequestError       a bad hit-rate request: answered with its HTTP status
 """
 
 from __future__ import annotations

@@ -83,8 +83,9 @@ def _hashable_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 def _unpack_tolerant(payload: bytes) -> Any:
     """The slow path of :func:`decode_batch`: unhashable map keys are left out."""
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False,
-                               object_pairs_hook=_hashable_pairs)
+        return msgpack.unpackb(
+            payload, raw=False, strict_map_key=False, object_pairs_hook=_hashable_pairs
+        )
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise NotABatchError(f"not msgpack: {exc}", "not_a_batch") from exc
 

@@ -66,8 +66,10 @@ def parse_groups(fields: dict[str, str], vllm_version: tuple[int, ...]) -> Group
         return Groups(tuple(found), found[0].block_size if found else 0)
     h_cfg, chunk = _int(fields.get("h_cfg")), _int(fields.get("chunk"))
     unit = h_cfg or math.gcd(*(g.block_size for g in found), *(g.smallest for g in found))
-    specs = [GroupSpec(None if g.kind == "-" else g.kind, g.block_size, g.window,
-                       chunk or None) for g in found]  # fmt: skip
+    specs = [
+        GroupSpec(None if g.kind == "-" else g.kind, g.block_size, g.window, chunk or None)
+        for g in found
+    ]
     try:
         rule = hit_rule.build_rule(specs, unit, vllm_version=vllm_version)
     except ValueError:
@@ -84,8 +86,15 @@ def _groups(fields: dict[str, str]) -> list[Group]:
         if not name.isdigit():
             continue
         kind, size, window, smallest = (value.split(",") + ["", "", "", ""])[:4]
-        out.append(Group(int(name), kind or "-", _int(size), _int(window) or None,
-                         _int(smallest) or _int(size)))  # fmt: skip
+        out.append(
+            Group(
+                int(name),
+                kind or "-",
+                _int(size),
+                _int(window) or None,
+                _int(smallest) or _int(size),
+            )
+        )
     return sorted((g for g in out if g.block_size > 0), key=lambda g: g.gid)
 
 
@@ -104,12 +113,18 @@ def describe(groups: Groups, hash_check: str | None) -> dict[str, object]:
     return {
         "hybrid": groups.hybrid,
         "kv_cache_groups": [
-            {"group": g.gid, "kind": None if g.kind == "-" else g.kind,
-             "block_size": g.block_size, "sliding_window": g.window}
-            for g in groups.groups],
+            {
+                "group": g.gid,
+                "kind": None if g.kind == "-" else g.kind,
+                "block_size": g.block_size,
+                "sliding_window": g.window,
+            }
+            for g in groups.groups
+        ],
         "hash_unit": groups.hash_unit or None,
         "hash_unit_source": ("config" if groups.unit_from_config else "events")
-        if groups.hash_unit else None,
+        if groups.hash_unit
+        else None,
         "exact": not reasons,
         "inexact_reasons": reasons,
     }

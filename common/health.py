@@ -95,8 +95,11 @@ class Health:
         """(live, text): not live while a loop is past its deadline."""
         now = self.clock()
         with self._lock:
-            late = [f"{hb.name} (no progress for {now - hb.last:.0f}s)"
-                    for hb in self._beats if now > hb.deadline]
+            late = [
+                f"{hb.name} (no progress for {now - hb.last:.0f}s)"
+                for hb in self._beats
+                if now > hb.deadline
+            ]
         if late:
             return False, "stalled: " + ", ".join(late)
         return True, "ok"

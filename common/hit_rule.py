@@ -95,8 +95,13 @@ class Rule:
     _group_class: tuple[int, ...] = field(default=(), repr=False)  # class index, -1 = skipped
 
 
-def build_rule(groups: Sequence[GroupSpec], hash_unit: int, *, partial_hits: bool | None = None,
-               vllm_version: tuple[int, ...] = (0, 34)) -> Rule:
+def build_rule(
+    groups: Sequence[GroupSpec],
+    hash_unit: int,
+    *,
+    partial_hits: bool | None = None,
+    vllm_version: tuple[int, ...] = (0, 34),
+) -> Rule:
     """The :class:`Rule` of these groups (in the caller's order) at hash unit ``hash_unit``.
 
     ``partial_hits`` None decides as vLLM ``vllm_version`` does (spec §1.2); True/False forces
@@ -115,15 +120,27 @@ def build_rule(groups: Sequence[GroupSpec], hash_unit: int, *, partial_hits: boo
     else:
         partial = partial_hits
     if partial and any(g.kind in _LOCAL_KINDS and g.block_size != hash_unit for g in live):
-        raise ValueError("partial hits with a sliding-window or chunked-local group whose block "
-                         "size is not the hash unit: no vLLM release answers that")
+        raise ValueError(
+            "partial hits with a sliding-window or chunked-local group whose block "
+            "size is not the hash unit: no vLLM release answers that"
+        )
     alignment = hash_unit if partial or not live else math.lcm(*(g.block_size for g in live))
     if any(g.kind == CHUNKED_LOCAL_KIND and g.block_size != alignment for g in live):
-        raise ValueError("a chunked-local group's block size differs from the alignment "
-                         f"{alignment}: vLLM's chunked-local finder asserts they are equal")
+        raise ValueError(
+            "a chunked-local group's block size differs from the alignment "
+            f"{alignment}: vLLM's chunked-local finder asserts they are equal"
+        )
     classes, group_class = _classes(groups, families, hash_unit, partial)
-    return Rule(groups, tuple(families), hash_unit, alignment, partial,
-                tuple(dict.fromkeys(r for r in reasons if r is not None)), classes, group_class)
+    return Rule(
+        groups,
+        tuple(families),
+        hash_unit,
+        alignment,
+        partial,
+        tuple(dict.fromkeys(r for r in reasons if r is not None)),
+        classes,
+        group_class,
+    )
 
 
 def _validate(groups: tuple[GroupSpec, ...], h: int) -> None:
@@ -133,10 +150,17 @@ def _validate(groups: tuple[GroupSpec, ...], h: int) -> None:
         raise ValueError("at least one KV-cache group is needed")
     for pos, g in enumerate(groups):
         if not isinstance(g.block_size, int) or g.block_size <= 0 or g.block_size % h:
-            raise ValueError(f"group {pos}: block size {g.block_size!r} is not a positive "
-                             f"multiple of the hash unit {h}")
-        used = g.sliding_window if g.kind in SLIDING_WINDOW_KINDS else \
-            g.chunk if g.kind == CHUNKED_LOCAL_KIND else None
+            raise ValueError(
+                f"group {pos}: block size {g.block_size!r} is not a positive "
+                f"multiple of the hash unit {h}"
+            )
+        used = (
+            g.sliding_window
+            if g.kind in SLIDING_WINDOW_KINDS
+            else g.chunk
+            if g.kind == CHUNKED_LOCAL_KIND
+            else None
+        )
         if used is not None and (not isinstance(used, int) or used < 1):
             raise ValueError(f"group {pos}: window/chunk {used!r} must be an int >= 1")
 
@@ -146,8 +170,9 @@ def _family(g: GroupSpec) -> tuple[str, Inexact | None]:
     if g.kind in FULL_ATTENTION_KINDS:
         return _FA, None
     if g.kind in SLIDING_WINDOW_KINDS:
-        return (_SWA, None) if g.sliding_window is not None else \
-            (_FA, Inexact.SLIDING_WINDOW_UNKNOWN)
+        return (
+            (_SWA, None) if g.sliding_window is not None else (_FA, Inexact.SLIDING_WINDOW_UNKNOWN)
+        )
     if g.kind == MAMBA_KIND:
         return _MAMBA, None
     if g.kind == CHUNKED_LOCAL_KIND:
@@ -159,22 +184,23 @@ def _family(g: GroupSpec) -> tuple[str, Inexact | None]:
 
 def _auto_partial(live: list[GroupSpec], h: int, version: tuple[int, ...]) -> bool:
     """vLLM's ``enable_partial_hash_hits`` (0.26+, DCP 1, every Mamba group in align mode)."""
-    if tuple(version) < (0, 26) or not any(g.kind == MAMBA_KIND and g.block_size > h
-                                           for g in live):
+    if tuple(version) < (0, 26) or not any(g.kind == MAMBA_KIND and g.block_size > h for g in live):
         return False
     fine = FULL_ATTENTION_KINDS | {MAMBA_KIND}  # the managers with fine-grained lookup
     if all(g.block_size == h or g.kind in fine for g in live):
         return True
-    if tuple(version) < (0, 28) and any(g.kind in _LOCAL_KINDS and g.block_size != h
-                                        for g in live):
-        raise ValueError(f"vLLM {'.'.join(map(str, version))} turns partial hits on with a "
-                         "sliding-window or chunked-local group whose block size is not the "
-                         "hash unit, and then asserts on every lookup")
+    if tuple(version) < (0, 28) and any(g.kind in _LOCAL_KINDS and g.block_size != h for g in live):
+        raise ValueError(
+            f"vLLM {'.'.join(map(str, version))} turns partial hits on with a "
+            "sliding-window or chunked-local group whose block size is not the "
+            "hash unit, and then asserts on every lookup"
+        )
     return False  # 0.28+ silently off; an unknown kind with B != h: off is the lower bound
 
 
-def _classes(groups: tuple[GroupSpec, ...], families: tuple[str, ...], h: int,
-             partial: bool) -> tuple[tuple[_Class, ...], tuple[int, ...]]:
+def _classes(
+    groups: tuple[GroupSpec, ...], families: tuple[str, ...], h: int, partial: bool
+) -> tuple[tuple[_Class, ...], tuple[int, ...]]:
     """Merge groups of one spec into classes, full-attention ones first."""
     members: dict[tuple[str, str | None, int, int | None, int | None], list[int]] = {}
     for pos, (g, fam) in enumerate(zip(groups, families, strict=True)):
@@ -186,8 +212,7 @@ def _classes(groups: tuple[GroupSpec, ...], families: tuple[str, ...], h: int,
     for (fam, kind, _, window, chunk), pos_list in members.items():
         g = groups[pos_list[0]]
         # An unknown kind under partial hits may really be Mamba: demand every hash unit.
-        block = h if partial and fam == _FA and kind not in FULL_ATTENTION_KINDS \
-            else g.block_size
+        block = h if partial and fam == _FA and kind not in FULL_ATTENTION_KINDS else g.block_size
         need = 1 if window is None else max(1, -(-(window - 1) // block))
         built.append(_Class(fam, tuple(pos_list), block, block // h, h, need, chunk or 0))
     built.sort(key=lambda c: (c.family != _FA, c.members[0]))
@@ -263,6 +288,7 @@ class _Flags:
 
 # --- finders: the largest length <= bound that one class accepts (spec §1.4) ---------------
 
+
 def _fa(c: _Class, fl: _Flags, bound: int, a: int) -> int:
     nb = bound // c.block
     miss = fl.view(c.k).find(0, 0, nb)
@@ -310,7 +336,11 @@ def _chunked(c: _Class, fl: _Flags, bound: int, a: int) -> int:
 
 
 _FINDERS: dict[str, Callable[[_Class, _Flags, int, int], int]] = {
-    _FA: _fa, _SWA: _swa, _MAMBA: _mamba, _CHUNKED: _chunked}
+    _FA: _fa,
+    _SWA: _swa,
+    _MAMBA: _mamba,
+    _CHUNKED: _chunked,
+}
 
 
 def hit_tokens(rule: Rule, num_tokens: int, present: Sequence[Sequence[int]]) -> int:

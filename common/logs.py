@@ -8,8 +8,13 @@ import time
 
 import orjson
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
-           "warning": logging.WARNING, "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,8 +36,9 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS.get(level.lower(), logging.INFO))

@@ -39,8 +39,18 @@ DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _Labels = tuple[str, ...]
-GaugeMode = Literal["all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum",
-                    "mostrecent", "livemostrecent"]
+GaugeMode = Literal[
+    "all",
+    "liveall",
+    "min",
+    "livemin",
+    "max",
+    "livemax",
+    "sum",
+    "livesum",
+    "mostrecent",
+    "livemostrecent",
+]
 
 
 class _Metric:
@@ -82,8 +92,10 @@ class _Metric:
         """This process's current value of the series (0 if never recorded)."""
         if self._buffers is not None:
             self._buffers.flush()
-        if self.labels and tuple([str(labels.get(n, "")) for n in self.labels]) \
-                not in self._by_values:
+        if (
+            self.labels
+            and tuple([str(labels.get(n, "")) for n in self.labels]) not in self._by_values
+        ):
             return 0.0
         for family in self._child(labels).collect():
             for sample in family.samples:
@@ -145,22 +157,47 @@ class Registry:
             self.buffers.flush()
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-        return Counter(prometheus_client.Counter(
-            name, doc, tuple(labels), registry=self.collector), labels, self.buffers)
+        return Counter(
+            prometheus_client.Counter(name, doc, tuple(labels), registry=self.collector),
+            labels,
+            self.buffers,
+        )
 
-    def gauge(self, name: str, doc: str, labels: Sequence[str] = (),
-              multiprocess_mode: GaugeMode = "livesum") -> Gauge:
+    def gauge(
+        self,
+        name: str,
+        doc: str,
+        labels: Sequence[str] = (),
+        multiprocess_mode: GaugeMode = "livesum",
+    ) -> Gauge:
         """``multiprocess_mode`` matters only under multiprocess mode: the default sums the
         live processes' values (a dead process's gauge is dropped by ``mark_process_dead``)."""
-        return Gauge(prometheus_client.Gauge(
-            name, doc, tuple(labels), registry=self.collector,
-            multiprocess_mode=multiprocess_mode), labels, None)
+        return Gauge(
+            prometheus_client.Gauge(
+                name,
+                doc,
+                tuple(labels),
+                registry=self.collector,
+                multiprocess_mode=multiprocess_mode,
+            ),
+            labels,
+            None,
+        )
 
-    def histogram(self, name: str, doc: str, labels: Sequence[str] = (),
-                  buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
-        return Histogram(prometheus_client.Histogram(
-            name, doc, tuple(labels), registry=self.collector, buckets=sorted(buckets)),
-            labels, self.buffers)
+    def histogram(
+        self,
+        name: str,
+        doc: str,
+        labels: Sequence[str] = (),
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+    ) -> Histogram:
+        return Histogram(
+            prometheus_client.Histogram(
+                name, doc, tuple(labels), registry=self.collector, buckets=sorted(buckets)
+            ),
+            labels,
+            self.buffers,
+        )
 
     def render(self) -> str:
         """This registry in the Prometheus text format."""
@@ -197,8 +234,9 @@ class _QuietHandler(WSGIRequestHandler):
 
 def _text(start_response: Callable[..., Any], status: str, body: str) -> list[bytes]:
     data = body.encode()
-    start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
-                            ("Content-Length", str(len(data)))])
+    start_response(
+        status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
+    )
     return [data]
 
 
@@ -221,12 +259,12 @@ def endpoint(registry: Registry, health: Health | None = None) -> _WSGIApp:
     return app
 
 
-def serve(registry: Registry, host: str, port: int,
-          health: Health | None = None) -> WSGIServer:
+def serve(registry: Registry, host: str, port: int, health: Health | None = None) -> WSGIServer:
     """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from daemon threads; returns the
     server (``server_address``, ``shutdown()``). Without ``health`` both probes answer 200."""
-    server = make_server(host, port, endpoint(registry, health), server_class=_Server,
-                         handler_class=_QuietHandler)
+    server = make_server(
+        host, port, endpoint(registry, health), server_class=_Server, handler_class=_QuietHandler
+    )
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     logger.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
     return server

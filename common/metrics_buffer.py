@@ -104,8 +104,9 @@ class Buffers:
             item.flush()
 
     def start(self, interval: float = FLUSH_INTERVAL) -> None:
-        threading.Thread(target=self._run, args=(interval,), name="metrics-flush",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._run, args=(interval,), name="metrics-flush", daemon=True
+        ).start()
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):

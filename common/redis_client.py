@@ -78,7 +78,8 @@ class _Cluster(RedisCluster):
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         pipe: ClusterPipeline = super().pipeline(  # type: ignore[no-untyped-call]
-            transaction, shard_hint)
+            transaction, shard_hint
+        )
         pipe.__class__ = _ClusterPipeline
         return pipe
 
@@ -108,7 +109,7 @@ def client_options(cfg: RedisConfig, retries: int = 1) -> tuple[str, dict[str, A
     if password:
         options["password"] = password
     if cfg.tls.enabled and url.startswith("redis://"):
-        url = "rediss://" + url[len("redis://"):]
+        url = "rediss://" + url[len("redis://") :]
     if url.startswith("rediss://"):
         options.update(_tls_options(cfg))
     return url, options
@@ -132,10 +133,15 @@ def describe(cfg: RedisConfig) -> str:
     """For logs: where and how we connect, never the credentials."""
     host = cfg.url.split("@")[-1].split("://")[-1]
     tls = cfg.tls.enabled or cfg.url.startswith("rediss://")
-    auth = "acl user" if cfg.username else ("password" if cfg.password or cfg.password_file
-                                            or "@" in cfg.url else "none")
-    return f"{'cluster' if cfg.cluster else 'redis'} {host} (tls {'on' if tls else 'off'}, " \
-           f"auth {auth})"
+    auth = (
+        "acl user"
+        if cfg.username
+        else ("password" if cfg.password or cfg.password_file or "@" in cfg.url else "none")
+    )
+    return (
+        f"{'cluster' if cfg.cluster else 'redis'} {host} (tls {'on' if tls else 'off'}, "
+        f"auth {auth})"
+    )
 
 
 def text(value: Any) -> str:

@@ -65,10 +65,13 @@ class ProcessSettings:
     @classmethod
     def from_config(cls, cfg: Config, metrics_port: int | None = None) -> ProcessSettings:
         return cls(
-            log_level=cfg.log.level, log_format=cfg.log.format,
+            log_level=cfg.log.level,
+            log_format=cfg.log.format,
             metrics_addr=cfg.metrics.addr,
             metrics_port=cfg.metrics.port if metrics_port is None else metrics_port,
-            liveness_timeout=float(cfg.metrics.liveness_timeout), redis=cfg.redis)
+            liveness_timeout=float(cfg.metrics.liveness_timeout),
+            redis=cfg.redis,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,19 @@ class DiscoverySettings:
     def from_config(cls, cfg: Config) -> DiscoverySettings:
         d, l1 = cfg.discovery, cfg.ingest.l1
         return cls(
-            mode=cast(DiscoveryMode, d.mode), namespace=d.namespace, kubeconfig=d.kubeconfig,
-            refresh_interval=float(d.refresh_interval), lease_ttl=float(d.lease_ttl),
-            labels=d.labels, vllm=d.vllm, mooncake_master=d.mooncake_master, static=d.static,
-            backoff_initial=float(l1.backoff_initial), backoff_max=float(l1.backoff_max),
-            master_scheme=cast(Scheme, cfg.ingest.l3.scheme))
+            mode=cast(DiscoveryMode, d.mode),
+            namespace=d.namespace,
+            kubeconfig=d.kubeconfig,
+            refresh_interval=float(d.refresh_interval),
+            lease_ttl=float(d.lease_ttl),
+            labels=d.labels,
+            vllm=d.vllm,
+            mooncake_master=d.mooncake_master,
+            static=d.static,
+            backoff_initial=float(l1.backoff_initial),
+            backoff_max=float(l1.backoff_max),
+            master_scheme=cast(Scheme, cfg.ingest.l3.scheme),
+        )
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,10 @@ class L1IngestSettings:
         base = model_basename(model) if model else ""
         for entry in self.models:
             if model and (entry.name == model or model_basename(entry.name) == base):
-                return (entry.prefix_match_unit or self.prefix_match_unit,
-                        entry.attention_chunk_size or self.attention_chunk_size)
+                return (
+                    entry.prefix_match_unit or self.prefix_match_unit,
+                    entry.attention_chunk_size or self.attention_chunk_size,
+                )
         return self.prefix_match_unit, self.attention_chunk_size
 
     @classmethod
@@ -140,14 +153,21 @@ class L1IngestSettings:
         """Raises ConfigError for block-key values that cannot be hashed with."""
         l1 = cfg.ingest.l1
         return cls(
-            topic=l1.topic, on_unrecoverable_gap=cast(GapPolicy, l1.on_unrecoverable_gap),
-            shard_mode=cast(ShardMode, l1.shard_mode), lease_ttl=float(l1.lease_ttl),
+            topic=l1.topic,
+            on_unrecoverable_gap=cast(GapPolicy, l1.on_unrecoverable_gap),
+            shard_mode=cast(ShardMode, l1.shard_mode),
+            lease_ttl=float(l1.lease_ttl),
             heartbeat_interval=float(l1.heartbeat_interval),
-            replay_timeout=float(l1.replay_timeout), backoff_initial=float(l1.backoff_initial),
-            backoff_max=float(l1.backoff_max), hash_check_rate=l1.hash_check_rate,
-            no_events_after=float(l1.no_events_after), hash=hash_settings(cfg),
+            replay_timeout=float(l1.replay_timeout),
+            backoff_initial=float(l1.backoff_initial),
+            backoff_max=float(l1.backoff_max),
+            hash_check_rate=l1.hash_check_rate,
+            no_events_after=float(l1.no_events_after),
+            hash=hash_settings(cfg),
             prefix_match_unit=l1.prefix_match_unit,
-            attention_chunk_size=l1.attention_chunk_size, models=tuple(l1.models))
+            attention_chunk_size=l1.attention_chunk_size,
+            models=tuple(l1.models),
+        )
 
 
 @dataclass(frozen=True)
@@ -169,12 +189,16 @@ class L3PollerSettings:
     def from_config(cls, cfg: Config) -> L3PollerSettings:
         l3 = cfg.ingest.l3
         return cls(
-            scheme=cast(Scheme, l3.scheme), poll_interval=float(l3.poll_interval),
+            scheme=cast(Scheme, l3.scheme),
+            poll_interval=float(l3.poll_interval),
             http_timeout=float(l3.http_timeout),
             segments_timeout=float(cfg.discovery.segments_fetch_timeout),
-            scope=cast(L3Scope, l3.scope), stale_after=float(l3.stale_after),
-            batch_size=l3.batch_size, key_formats=tuple(l3.key_formats),
-            models=tuple(l3.models))
+            scope=cast(L3Scope, l3.scope),
+            stale_after=float(l3.stale_after),
+            batch_size=l3.batch_size,
+            key_formats=tuple(l3.key_formats),
+            models=tuple(l3.models),
+        )
 
 
 @dataclass(frozen=True)
@@ -203,25 +227,37 @@ class ApiSettings:
         """Raises ConfigError for block-key values that cannot be hashed with."""
         h = cfg.http
         return cls(
-            addr=h.addr, workers=h.workers, threads=h.threads,
+            addr=h.addr,
+            workers=h.workers,
+            threads=h.threads,
             shutdown_timeout=float(h.shutdown_timeout),
-            read_header_timeout=float(h.read_header_timeout), read_timeout=float(h.read_timeout),
-            write_timeout=float(h.write_timeout), idle_timeout=float(h.idle_timeout),
+            read_header_timeout=float(h.read_header_timeout),
+            read_timeout=float(h.read_timeout),
+            write_timeout=float(h.write_timeout),
+            idle_timeout=float(h.idle_timeout),
             max_header_bytes=h.max_header_bytes,
-            max_hit_rate_body_bytes=h.max_hit_rate_body_bytes, max_candidates=h.max_candidates,
-            hash=hash_settings(cfg), instance_limits=instance_limits(cfg), log_level=cfg.log.level)
+            max_hit_rate_body_bytes=h.max_hit_rate_body_bytes,
+            max_candidates=h.max_candidates,
+            hash=hash_settings(cfg),
+            instance_limits=instance_limits(cfg),
+            log_level=cfg.log.level,
+        )
 
 
 def hash_settings(cfg: Config) -> HashSettings:
     """``blockKey`` as the block hasher takes it; raises ConfigError."""
     bk = cfg.block_key
-    return HashSettings.from_strings(bk.prefix_caching_hash_algo, bk.python_hash_seed,
-                                     bk.vllm_version)
+    return HashSettings.from_strings(
+        bk.prefix_caching_hash_algo, bk.python_hash_seed, bk.vllm_version
+    )
 
 
 def instance_limits(cfg: Config) -> Limits:
     """What an instance's state is judged by (the API's instances report, ``inspect``): the
     ingesters' ``ingest.l1.noEventsAfter`` and ``leaseTTL``."""
     l1 = cfg.ingest.l1
-    return Limits(no_events_after=float(l1.no_events_after), lease_ttl=float(l1.lease_ttl),
-                  vllm_version=hash_settings(cfg).vllm_version)
+    return Limits(
+        no_events_after=float(l1.no_events_after),
+        lease_ttl=float(l1.lease_ttl),
+        vllm_version=hash_settings(cfg).vllm_version,
+    )

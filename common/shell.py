@@ -56,9 +56,12 @@ def parser(prog: str, description: str, *, metrics_port: bool = True) -> argpars
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", help="config file (default: $CACHE_INDEXER_CONFIG)")
     if metrics_port:
-        p.add_argument("--metrics-port", type=int, default=None,
-                       help="serve /metrics, /healthz and /readyz here (0 = off; "
-                            "default: metrics.port)")
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve /metrics, /healthz and /readyz here (0 = off; default: metrics.port)",
+        )
     return p
 
 
@@ -78,8 +81,11 @@ class Startup(Generic[S]):
     settings: S
 
 
-def start(p: argparse.ArgumentParser, argv: list[str],
-          translate: Callable[[Config, argparse.Namespace], S]) -> Startup[S]:
+def start(
+    p: argparse.ArgumentParser,
+    argv: list[str],
+    translate: Callable[[Config, argparse.Namespace], S],
+) -> Startup[S]:
     """Parse ``argv``, load and validate the config, translate it, configure logging.
 
     ``translate`` builds the process's own settings (and checks its flags); a
@@ -128,10 +134,15 @@ class Process(Generic[S]):
         self._stack.callback(close)
 
 
-def run_worker(prog: str, description: str, argv: list[str], *,
-               translate: Callable[[Config, argparse.Namespace], S],
-               run: Callable[[Process[S]], None],
-               arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+def run_worker(
+    prog: str,
+    description: str,
+    argv: list[str],
+    *,
+    translate: Callable[[Config, argparse.Namespace], S],
+    run: Callable[[Process[S]], None],
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
     """Run one worker process inside the shell (see the module docstring); its exit status."""
     p = parser(prog, description)
     if arguments is not None:
@@ -146,8 +157,12 @@ def run_worker(prog: str, description: str, argv: list[str], *,
         proc = Process(startup, stack)
         install_signal_handlers(proc.stop)
         if startup.process.metrics_port:
-            server = serve(proc.registry, startup.process.metrics_addr,
-                           startup.process.metrics_port, proc.health)
+            server = serve(
+                proc.registry,
+                startup.process.metrics_addr,
+                startup.process.metrics_port,
+                proc.health,
+            )
             stack.callback(server.server_close)
             stack.callback(server.shutdown)
         try:

@@ -102,8 +102,7 @@ class StatusReader:
         self._queue(pipe, self._ips, self._urls)
         replies = pipe.execute()
         (sec, usec), ips, urls, live = replies[:4]
-        raw = Raw(int(sec) * 1000 + int(usec) // 1000,
-                  {text(m): int(score) for m, score in live})  # fmt: skip
+        raw = Raw(int(sec) * 1000 + int(usec) // 1000, {text(m): int(score) for m, score in live})
         ips, urls = sorted(map(text, ips)), sorted(map(text, urls))
         self._collect(raw, self._ips, self._urls, replies[4:])
         new_ips = [ip for ip in ips if ip not in raw.instances]
@@ -133,7 +132,7 @@ class StatusReader:
     def _collect(raw: Raw, ips: list[str], urls: list[str], replies: list[Any]) -> None:
         n = len(_PER_IP)
         for i, ip in enumerate(ips):
-            values = replies[i * n:(i + 1) * n]
+            values = replies[i * n : (i + 1) * n]
             raw.instances[ip] = {
                 name: (text_dict(v) if isinstance(v, dict) else v)
                 for name, v in zip(_PER_IP, values, strict=True)
@@ -184,7 +183,8 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
         },
         "groups": group_view.describe(
             group_view.parse_groups(parts.get("groups") or {}, limits.vllm_version),
-            l1.get("hash_check")),
+            l1.get("hash_check"),
+        ),
         "l3": {
             "blocks": _int(l3.get("blocks")) if l3 else None,
             "age_s": _age(l3.get("updated_ms"), raw.now_ms),
@@ -194,8 +194,9 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
     }
 
 
-def l1_state(l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
-             ) -> tuple[InstanceState, str]:  # fmt: skip
+def l1_state(
+    l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
+) -> tuple[InstanceState, str]:
     """(state, one-line reason) of an instance's L1 index; see the module docstring."""
     now = raw.now_ms
     status_age = _age(l1.get("status_ms"), now)
@@ -204,8 +205,10 @@ def l1_state(l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
         return InstanceState.UNASSIGNED, f"its owner {owner} stopped heartbeating"
     if status_age is None or status_age > fresh_s:
         return InstanceState.UNASSIGNED, (
-            "no ingester has reported on it" if status_age is None
-            else f"no ingester has reported on it for {status_age:.0f}s")
+            "no ingester has reported on it"
+            if status_age is None
+            else f"no ingester has reported on it for {status_age:.0f}s"
+        )
     conn = l1.get("conn", "")
     if conn in _UNREACHABLE:
         return InstanceState.UNREACHABLE, f"{conn}: {l1.get('conn_detail', '')}".rstrip(": ")
@@ -213,13 +216,15 @@ def l1_state(l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
         return InstanceState.REPLAYING, "catching up through the replay endpoint"
     gaps = sum(_int(v) for k, v in l1.items() if k.startswith("gap:"))
     if gaps:
-        return InstanceState.GAP, (f"{gaps} unrecoverable gap(s) kept: blocks may be missing "
-                                   "or stale")
+        return InstanceState.GAP, (
+            f"{gaps} unrecoverable gap(s) kept: blocks may be missing or stale"
+        )
     quiet = _age(l1.get("last_event_ms") or l1.get("subscribed_ms"), now) or 0.0
     if quiet > limits.no_events_after:
         seen = "nothing received" if "last_event_ms" not in l1 else "no batch"
-        return InstanceState.NO_EVENTS, (f"{seen} for {quiet:.0f}s "
-                                         f"(noEventsAfter {limits.no_events_after:g}s)")
+        return InstanceState.NO_EVENTS, (
+            f"{seen} for {quiet:.0f}s (noEventsAfter {limits.no_events_after:g}s)"
+        )
     return InstanceState.SYNCED, ""
 
 

@@ -43,17 +43,32 @@ class Instance:
 
     def meta_fields(self) -> list[str]:
         return [
-            "pod", self.pod, "zmq", self.zmq_endpoint, "replay", self.replay_endpoint,
-            "dp", str(self.dp_size), "role", self.role, "model", self.model,
+            "pod",
+            self.pod,
+            "zmq",
+            self.zmq_endpoint,
+            "replay",
+            self.replay_endpoint,
+            "dp",
+            str(self.dp_size),
+            "role",
+            self.role,
+            "model",
+            self.model,
         ]
 
     @classmethod
     def from_meta(cls, ip: str, meta: dict[str, str]) -> Instance:
         return cls(
-            ip=ip, uid=meta.get("uid", ""), pod=meta.get("pod", ""),
-            zmq_endpoint=meta.get("zmq", ""), replay_endpoint=meta.get("replay", ""),
-            dp_size=int(meta.get("dp", "1") or 1), role=meta.get("role", ""),
-            restarts=meta.get("restarts", "0"), gen=int(meta.get("gen", "0") or 0),
+            ip=ip,
+            uid=meta.get("uid", ""),
+            pod=meta.get("pod", ""),
+            zmq_endpoint=meta.get("zmq", ""),
+            replay_endpoint=meta.get("replay", ""),
+            dp_size=int(meta.get("dp", "1") or 1),
+            role=meta.get("role", ""),
+            restarts=meta.get("restarts", "0"),
+            gen=int(meta.get("gen", "0") or 0),
             model=meta.get("model", ""),
         )
 
@@ -119,10 +134,10 @@ class TierOps:
     def clear(self, tier: str) -> None:
         self.ops.append(("C", tier, 0, []))
 
-    def describe(self, group: int, kind: str | None, block_size: int,
-                 window: int | None) -> None:
-        self.ops.append(("D", "", group, [kind or "-", int(block_size),
-                                           "" if window is None else int(window)]))
+    def describe(self, group: int, kind: str | None, block_size: int, window: int | None) -> None:
+        self.ops.append(
+            ("D", "", group, [kind or "-", int(block_size), "" if window is None else int(window)])
+        )
 
     def settings(self, hash_unit: int, chunk: int, dp_size: int) -> None:
         self.ops.append(("H", "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
@@ -146,17 +161,30 @@ class L1Status:
     incr: dict[str, int] = field(default_factory=dict)
 
 
-_STATUS = {1: BatchStatus.APPLIED, 0: BatchStatus.DUPLICATE, -1: BatchStatus.STALE_GEN,
-           -2: BatchStatus.NOT_OWNER, -3: BatchStatus.GROUPS_CHANGED}
+_STATUS = {
+    1: BatchStatus.APPLIED,
+    0: BatchStatus.DUPLICATE,
+    -1: BatchStatus.STALE_GEN,
+    -2: BatchStatus.NOT_OWNER,
+    -3: BatchStatus.GROUPS_CHANGED,
+}
 
 
 def _instance_keys(ip: str) -> list[str]:
     return [
-        keys.instance_meta(ip), keys.instance_gen(ip), keys.l1_state(ip), keys.l1_owner(ip),
-        keys.tier_set(ip, "l1"), keys.tier_copies(ip, "l1"),
-        keys.tier_set(ip, "l2"), keys.tier_copies(ip, "l2"),
-        keys.l3_set(ip), keys.l3_staging(ip), keys.l3_state(ip),
-        keys.tier_counts(ip, "l1"), keys.tier_counts(ip, "l2"),  # legacy layout, dropped
+        keys.instance_meta(ip),
+        keys.instance_gen(ip),
+        keys.l1_state(ip),
+        keys.l1_owner(ip),
+        keys.tier_set(ip, "l1"),
+        keys.tier_copies(ip, "l1"),
+        keys.tier_set(ip, "l2"),
+        keys.tier_copies(ip, "l2"),
+        keys.l3_set(ip),
+        keys.l3_staging(ip),
+        keys.l3_state(ip),
+        keys.tier_counts(ip, "l1"),
+        keys.tier_counts(ip, "l2"),  # legacy layout, dropped
         keys.l1_groups(ip),
     ]
 
@@ -267,8 +295,16 @@ class Store:
     # -- L1 / L2 (event-fed tiers) ----------------------------------------------------
 
     def apply_batch(
-        self, ip: str, gen: int, rank: int, seq: int, ops: TierOps, *,
-        owner: str = "", reset: bool = False, gap: bool = False,
+        self,
+        ip: str,
+        gen: int,
+        rank: int,
+        seq: int,
+        ops: TierOps,
+        *,
+        owner: str = "",
+        reset: bool = False,
+        gap: bool = False,
     ) -> ApplyResult:
         """Apply one batch atomically, fenced by generation (and owner when given).
 
@@ -276,12 +312,19 @@ class Store:
         last applied one is a duplicate and changes nothing (unless ``reset``).
         """
         argv = [
-            *_rank_prefixes(ip), gen, owner, int(rank), int(seq),
-            "1" if reset else "0", "1" if gap else "0", *ops.argv(),
+            *_rank_prefixes(ip),
+            gen,
+            owner,
+            int(rank),
+            int(seq),
+            "1" if reset else "0",
+            "1" if gap else "0",
+            *ops.argv(),
         ]
         status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
         return ApplyResult(
-            _STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared))
+            _STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared)
+        )
 
     def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]:
         """Write the ingester's status of several instances in one pipeline, each fenced by
@@ -313,8 +356,7 @@ class Store:
         """hash → copies over all DP ranks (a member without a copies field has one)."""
         return {h: sum(c) for h, c in self.tier_rank_copies(ip, tier, group).items()}
 
-    def tier_rank_copies(self, ip: str, tier: str = "l1",
-                         group: int = 0) -> dict[int, list[int]]:
+    def tier_rank_copies(self, ip: str, tier: str = "l1", group: int = 0) -> dict[int, list[int]]:
         """hash → copies per DP rank from rank 0 on (trailing zeros trimmed)."""
         pipe = self.r.pipeline(transaction=True)  # one slot: a consistent snapshot
         pipe.smembers(keys.tier_group_set(ip, tier, group))
@@ -326,8 +368,11 @@ class Store:
     # -- L3 ---------------------------------------------------------------------------
 
     def replace_l3(
-        self, ip: str, hashes: Iterable[int] | Mapping[int, Iterable[int]],
-        state: dict[str, str] | None = None, gen: int | None = None,
+        self,
+        ip: str,
+        hashes: Iterable[int] | Mapping[int, Iterable[int]],
+        state: dict[str, str] | None = None,
+        gen: int | None = None,
     ) -> bool:
         """Atomically replace the instance's L3 sets. ``hashes`` is group 0's blocks, or a
         mapping KV-cache group → its blocks (groups not in it are deleted; the l3 state's
@@ -350,8 +395,11 @@ class Store:
             if chunk:
                 pipe.sadd(staging, *chunk)
         pipe.execute()
-        argv: list[Any] = [*_rank_prefixes(ip), "" if gen is None else int(gen),
-                           ",".join(str(int(g)) for g in sorted(by_group))]
+        argv: list[Any] = [
+            *_rank_prefixes(ip),
+            "" if gen is None else int(gen),
+            ",".join(str(int(g)) for g in sorted(by_group)),
+        ]
         for k, v in (state or {}).items():
             argv += [k, v]
         return bool(self._replace_l3(keys=_instance_keys(ip), args=argv))
@@ -482,13 +530,16 @@ class Reads:
             if op == _SMIS:
                 blob = self.blobs[arg]
                 piece = b"*%d\r\n$10\r\nSMISMEMBER\r\n$%d\r\n%b\r\n%b" % (
-                    len(blob.members) + 2, len(k), k, blob.encoded)
+                    len(blob.members) + 2,
+                    len(k),
+                    k,
+                    blob.encoded,
+                )
             elif op == _HGETALL:
                 piece = b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(k), k)
             else:
                 f = arg.encode()
-                piece = b"*3\r\n$4\r\nHGET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (
-                    len(k), k, len(f), f)
+                piece = b"*3\r\n$4\r\nHGET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(f), f)
             out.append(piece)
             size += len(piece)
             if size >= _WRITE_BYTES:

@@ -205,7 +205,9 @@ local function reset_instance(why)
 end
 """
 
-UPSERT_INSTANCE = _COMMON + r"""
+UPSERT_INSTANCE = (
+    _COMMON
+    + r"""
 -- ARGV[3] uid, ARGV[4] restart token, ARGV[5..] field, value pairs for the meta hash
 local uid, restarts = ARGV[3], ARGV[4]
 local cur_uid = redis.call('HGET', KEYS[1], 'uid')
@@ -237,16 +239,22 @@ for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 return {result, tonumber(gen)}
 """
+)
 
-REMOVE_INSTANCE = _COMMON + r"""
+REMOVE_INSTANCE = (
+    _COMMON
+    + r"""
 local existed = redis.call('EXISTS', KEYS[1])
 drop_all()
 redis.call('DEL', KEYS[1])
 next_gen()
 return existed
 """
+)
 
-APPLY_BATCH = _COMMON + r"""
+APPLY_BATCH = (
+    _COMMON
+    + r"""
 -- ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] rank, ARGV[6] seq,
 -- ARGV[7] '1' = clear this rank first (publisher restart / gap policy clear),
 -- ARGV[8] '1' = count an unrecoverable gap, ARGV[9..] ops: op, tier, group, n, value * n
@@ -330,6 +338,7 @@ end
 redis.call('HSET', KEYS[3], seqf, ARGV[6])
 return {1, stored, removed, unknown, cleared}
 """
+)
 
 L1_STATUS = r"""
 -- KEYS as above; ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] number of field,

@@ -63,14 +63,23 @@ print(json.dumps({"per_request_us": per_request * 1e6, "scrape_ms": scrape * 1e3
 
 def _run(tree: str, calls: int, workers: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-api-metrics-") as shared:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("PROMETHEUS_MULTIPROC_DIR", "CACHE_INDEXER_METRICS_DIR")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PROMETHEUS_MULTIPROC_DIR", "CACHE_INDEXER_METRICS_DIR")
+        }
         env["PYTHONPATH"] = tree
         with open(os.path.join(tree, "services", "api", "api_metrics.py")) as f:
             multiproc = "PROMETHEUS_MULTIPROC_DIR" in f.read()
         env["PROMETHEUS_MULTIPROC_DIR" if multiproc else "CACHE_INDEXER_METRICS_DIR"] = shared
-        out = subprocess.run([sys.executable, "-c", _CHILD, str(calls), str(workers)],
-                             cwd=tree, env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(calls), str(workers)],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return dict(json.loads(out.stdout.splitlines()[-1]))
 
 
@@ -85,13 +94,17 @@ def main() -> int:
     for _ in range(args.rounds):
         for tree in args.trees:
             results[tree].append(_run(os.path.abspath(tree), args.calls, args.workers))
-    print(f"{args.calls} simulated requests per round, {args.rounds} rounds, scrape over "
-          f"{args.workers} workers' data; Python {sys.version.split()[0]}, {os.cpu_count()} CPUs\n")
+    print(
+        f"{args.calls} simulated requests per round, {args.rounds} rounds, scrape over "
+        f"{args.workers} workers' data; Python {sys.version.split()[0]}, {os.cpu_count()} CPUs\n"
+    )
     print("| tree | metric cost per request µs (median) | scrape ms (median) | bytes |")
     print("|---|---:|---:|---:|")
     for tree, runs in results.items():
-        print(f"| {tree} | {statistics.median(r['per_request_us'] for r in runs):.2f} | "
-              f"{statistics.median(r['scrape_ms'] for r in runs):.2f} | {int(runs[-1]['bytes'])} |")
+        print(
+            f"| {tree} | {statistics.median(r['per_request_us'] for r in runs):.2f} | "
+            f"{statistics.median(r['scrape_ms'] for r in runs):.2f} | {int(runs[-1]['bytes'])} |"
+        )
     return 0
 
 

@@ -33,8 +33,9 @@ WORKERS = {"stock gthread": "gthread", "API worker": "services.api.worker.Deadli
 
 
 def _stall(port: int, count: int, body: bytes) -> list[socket.socket]:
-    head = (f"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: b\r\nContent-Length: {len(body)}\r\n"
-            "\r\n").encode()
+    head = (
+        f"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: b\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     socks = []
     for i in range(count):
         sock = socket.create_connection(("127.0.0.1", port))
@@ -72,33 +73,53 @@ def main() -> int:
         from common.blockhash import BlockHasher
         from common.settings import ApiSettings
         from common.store import Store
-        body = _prompt(BlockHasher(ApiSettings().hash), Store(servers.client), 4096, 8,
-                       43)[0]
+
+        body = _prompt(BlockHasher(ApiSettings().hash), Store(servers.client), 4096, 8, 43)[0]
         config = tmp / "config.yaml"
-        config.write_text(f"log:\n  level: error\nredis:\n  url: "
-                          f"redis://127.0.0.1:{servers.redis_port}/0\n")
+        config.write_text(
+            f"log:\n  level: error\nredis:\n  url: redis://127.0.0.1:{servers.redis_port}/0\n"
+        )
         env = {**servers.env, "CACHE_INDEXER_CONFIG": str(config)}
         ports = {}
         for name, worker in WORKERS.items():
             ports[name] = free_port()
-            servers._start([sys.executable, "-m", "gunicorn", "-w", "2", "--threads", "4",
-                            "-k", worker, "--log-level", "warning",
-                            "--bind", f"127.0.0.1:{ports[name]}",
-                            "services.api.app:get_app()"], env)
-            wait_for(lambda p=ports[name]: httpx.get(f"http://127.0.0.1:{p}/healthz")
-                     .status_code == 200, name, 30, tolerate=(httpx.HTTPError,))
+            servers._start(
+                [
+                    sys.executable,
+                    "-m",
+                    "gunicorn",
+                    "-w",
+                    "2",
+                    "--threads",
+                    "4",
+                    "-k",
+                    worker,
+                    "--log-level",
+                    "warning",
+                    "--bind",
+                    f"127.0.0.1:{ports[name]}",
+                    "services.api.app:get_app()",
+                ],
+                env,
+            )
+            wait_for(
+                lambda p=ports[name]: httpx.get(f"http://127.0.0.1:{p}/healthz").status_code == 200,
+                name,
+                30,
+                tolerate=(httpx.HTTPError,),
+            )
         print(f"{os.cpu_count()} CPUs shared by client, servers and Redis; block {BLOCK}\n")
         print("| worker | stalled connections | p50 ms | p99 ms | timed out (5 s) |")
         print("|---|---:|---:|---:|---:|")
         for count in (int(n) for n in args.stalled.split(",")):
             for name, port in ports.items():
                 stalled = _stall(port, count, body)
-                lat, failed, sent = _measure(f"http://127.0.0.1:{port}/kv-cache/hit-rate", body,
-                                       args.requests)
+                lat, failed, sent = _measure(
+                    f"http://127.0.0.1:{port}/kv-cache/hit-rate", body, args.requests
+                )
                 p50 = f"{_pct(lat, 0.5):.1f}" if lat else "–"
                 p99 = f"{_pct(lat, 0.99):.1f}" if lat else "–"
-                print(f"| {name} | {count} | {p50} | {p99} | {failed} of {sent} |",
-                      flush=True)
+                print(f"| {name} | {count} | {p50} | {p99} | {failed} of {sent} |", flush=True)
                 for sock in stalled:
                     sock.close()
     finally:

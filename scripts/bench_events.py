@@ -42,9 +42,18 @@ def _cases() -> list[tuple[str, bytes]]:
         cases.append((f"{label} step4 (3 events, 6 blocks)", step4))
     rng = random.Random(0)
     big = [
-        BlockStored([rng.getrandbits(64) for _ in range(32)], rng.getrandbits(64),
-                    [rng.randrange(150_000) for _ in range(512)], 16, None, "GPU", None,
-                    None, 0, "full_attention")
+        BlockStored(
+            [rng.getrandbits(64) for _ in range(32)],
+            rng.getrandbits(64),
+            [rng.randrange(150_000) for _ in range(512)],
+            16,
+            None,
+            "GPU",
+            None,
+            None,
+            0,
+            "full_attention",
+        )
         for _ in range(8)
     ]
     for version in ((0, 23, 0), (0, 28, 0)):
@@ -62,8 +71,10 @@ def main() -> None:
             lambda p=payload: msgpack.unpackb(p, raw=False, strict_map_key=False),  # type: ignore[misc]
             seconds,
         )
-        print(f"{name:<36} {len(payload):>6} {decode * 1e6:>10.1f} {unpack * 1e6:>10.1f} "
-              f"{1 / decode:>10.0f}")
+        print(
+            f"{name:<36} {len(payload):>6} {decode * 1e6:>10.1f} {unpack * 1e6:>10.1f} "
+            f"{1 / decode:>10.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -118,16 +118,22 @@ for line in sys.stdin:
 class ChildHasher:
     """A hasher in a child process (vLLM's, or an older revision's), timed call by call."""
 
-    def __init__(self, python: str, code: str, prompts: dict[str, list[int]],
-                 path: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, python: str, code: str, prompts: dict[str, list[int]], path: str | None = None
+    ) -> None:
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         env.pop("PYTHONPATH", None)
         if path:
             env["PYTHONPATH"] = path
         try:  # cwd: "python -c" puts it first on sys.path, before PYTHONPATH
-            self.proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, env=env,
-                                         cwd=path or tempfile.gettempdir())  # fmt: skip
+            self.proc = subprocess.Popen(
+                [python, "-c", code],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=path or tempfile.gettempdir(),
+            )
         except OSError as exc:
             raise RuntimeError(f"cannot run {python}: {exc}") from None
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -178,8 +184,9 @@ def reference_digests(parent: bytes, tokens: list[int], block: int) -> list[byte
     return out
 
 
-def best_ns(funcs: list[Callable[[], int | None]], repeat: int, clock: str,
-            calls: int = 1) -> list[float]:
+def best_ns(
+    funcs: list[Callable[[], int | None]], repeat: int, clock: str, calls: int = 1
+) -> list[float]:
     """Best-of-``repeat`` time of one call of each function, the functions taking turns so
     that load from other processes on the machine falls on all of them alike. Each timing
     covers ``calls`` calls in a row (so that a short prompt's time is well above the clock's
@@ -218,9 +225,14 @@ def _ratio(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}× ({min(values):.2f}–{max(values):.2f})"
 
 
-def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher,
-         vllm: ChildHasher | None, old: ChildHasher | None,
-         args: argparse.Namespace) -> str:  # fmt: skip
+def _row(
+    case: tuple[str, int, int, int],
+    prompt: list[int],
+    hasher: BlockHasher,
+    vllm: ChildHasher | None,
+    old: ChildHasher | None,
+    args: argparse.Namespace,
+) -> str:
     dist, tokens, block, repeat = case
     name = f"{dist}-{tokens}"
     for child in (vllm, old):
@@ -228,8 +240,10 @@ def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher
             raise SystemExit(f"{child.version}'s hashes differ from ours ({name}, block {block})")
     parent = none_hash(hasher.settings)
     calls = max(1, CALL_TOKENS // tokens)
-    funcs = [_quiet(partial(_calls, calls, hasher.member_keys, prompt, block)),
-             _quiet(partial(_calls, calls, reference_digests, parent, prompt, block))]
+    funcs = [
+        _quiet(partial(_calls, calls, hasher.member_keys, prompt, block)),
+        _quiet(partial(_calls, calls, reference_digests, parent, prompt, block)),
+    ]
     for child in (vllm, old):
         if child is not None:
             funcs.append(partial(child.time_ns, args.clock, name, block, calls))
@@ -241,8 +255,10 @@ def _row(case: tuple[str, int, int, int], prompt: list[int], hasher: BlockHasher
     if vllm is not None:
         vllm_cell = _cell(tokens, statistics.median(t[2] for t in times))
         vs_vllm = _ratio([t[2] / t[0] for t in times])
-    return (f"| {tokens:,} | {dist} | {block} | {_cell(tokens, ours)} | {vllm_cell} "
-            f"| {_cell(tokens, ref)} | **{vs_vllm}** | {vs_ref} |{vs_old}")  # fmt: skip
+    return (
+        f"| {tokens:,} | {dist} | {block} | {_cell(tokens, ours)} | {vllm_cell} "
+        f"| {_cell(tokens, ref)} | **{vs_vllm}** | {vs_ref} |{vs_old}"
+    )
 
 
 def peak_bytes(func: Callable[[], object]) -> int:
@@ -271,16 +287,25 @@ def import_cost() -> str:
     """Private and resident memory that importing and first using the hasher adds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        out = subprocess.run([sys.executable, "-c", IMPORT_COST], capture_output=True, text=True,
-                             env=env, check=True, timeout=120).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", IMPORT_COST],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+            timeout=120,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return "import cost: not measured (no /proc/self/smaps_rollup?)"
-    return (f"importing and first using BlockHasher adds {float(out[0]):.1f} MB private "
-            f"memory ({float(out[1]):.1f} MB resident, shared libraries included)")
+    return (
+        f"importing and first using BlockHasher adds {float(out[0]):.1f} MB private "
+        f"memory ({float(out[1]):.1f} MB resident, shared libraries included)"
+    )
 
 
-def _vllm_child(python: str | None,
-                prompts: dict[str, list[int]]) -> tuple[ChildHasher | None, str]:  # fmt: skip
+def _vllm_child(
+    python: str | None, prompts: dict[str, list[int]]
+) -> tuple[ChildHasher | None, str]:
     if not python:
         return None, "vLLM column skipped: no --vllm-python given"
     try:
@@ -293,8 +318,9 @@ def _vllm_child(python: str | None,
 def _old_child(rev: str, prompts: dict[str, list[int]]) -> ChildHasher:
     """This project's ``common/`` as of ``rev`` (git archive into a temporary directory)."""
     path = tempfile.mkdtemp(prefix="bench-hash-old-")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "common"],
-                             capture_output=True, check=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "common"], capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
     return ChildHasher(sys.executable, OLD_CHILD, prompts, path=path)
 
@@ -302,12 +328,17 @@ def _old_child(rev: str, prompts: dict[str, list[int]]) -> ChildHasher:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", help="python of a venv with vLLM (e.g. 0.28.0)")
-    parser.add_argument("--tokens", default="4096,131072,2097152",
-                        help="comma-separated prompt lengths")  # fmt: skip
+    parser.add_argument(
+        "--tokens", default="4096,131072,2097152", help="comma-separated prompt lengths"
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                        help="cpu: the calling thread's CPU time (default; steadier on a "
-                        "shared machine), wall: elapsed time")  # fmt: skip
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: the calling thread's CPU time (default; steadier on a "
+        "shared machine), wall: elapsed time",
+    )
     parser.add_argument("--repeat-4k", type=int, default=100, help="best of N, <= 4,096 tokens")
     parser.add_argument("--repeat-long", type=int, default=5, help="best of N, longer prompts")
     parser.add_argument("--old-rev", help="also time BlockHasher as of this git revision")
@@ -315,17 +346,27 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.tokens.split(",")]
     hasher = BlockHasher(HashSettings())
     prompts = {f"{d}-{n}": make_prompt(n, d) for d in DISTRIBUTIONS for n in sizes}
-    cases = [(d, n, b, args.repeat_4k if n <= 4096 else args.repeat_long)
-             for d in DISTRIBUTIONS for n in sizes for b in BLOCKS]  # fmt: skip
+    cases = [
+        (d, n, b, args.repeat_4k if n <= 4096 else args.repeat_long)
+        for d in DISTRIBUTIONS
+        for n in sizes
+        for b in BLOCKS
+    ]
     vllm, note = _vllm_child(args.vllm_python, prompts)
     old = _old_child(args.old_rev, prompts) if args.old_rev else None
-    print(f"Python {platform.python_version()}, cbor2 {importlib.metadata.version('cbor2')}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.clock} time, "
-          f"median of {args.rounds} rounds of best-of-N, taking turns; {note}")  # fmt: skip
+    print(
+        f"Python {platform.python_version()}, cbor2 {importlib.metadata.version('cbor2')}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.clock} time, "
+        f"median of {args.rounds} rounds of best-of-N, taking turns; {note}"
+    )
     print(f"member_keys: {blockhash_native.status()}\n")
     old_head = (f" vs {args.old_rev} |", "---:|") if old else ("", "")
-    print("| tokens | ids | block | member_keys | vLLM | cbor2+hashlib | vs vLLM | vs cbor2 |"
-          + old_head[0] + "\n|---:|---|---:|---:|---:|---:|---:|---:|" + old_head[1])  # fmt: skip
+    print(
+        "| tokens | ids | block | member_keys | vLLM | cbor2+hashlib | vs vLLM | vs cbor2 |"
+        + old_head[0]
+        + "\n|---:|---|---:|---:|---:|---:|---:|---:|"
+        + old_head[1]
+    )
     try:
         for case in cases:
             prompt = prompts[f"{case[0]}-{case[1]}"]
@@ -334,10 +375,18 @@ def main(argv: list[str] | None = None) -> int:
         for child in (vllm, old):
             if child is not None:
                 child.close()
-    print("\nPeak memory of one member_keys call (tracemalloc): " + ", ".join(
-        f"{n:,} tokens at block {b}: {peak_bytes(partial(hasher.member_keys, p, b)) / 2**20:.1f}"
-        f" MB" for n in sizes for b in BLOCKS
-        for p in [prompts[f"uniform-{n}"]]) + f"; {import_cost()}.")  # fmt: skip
+    print(
+        "\nPeak memory of one member_keys call (tracemalloc): "
+        + ", ".join(
+            f"{n:,} tokens at block {b}: "
+            f"{peak_bytes(partial(hasher.member_keys, p, b)) / 2**20:.1f}"
+            f" MB"
+            for n in sizes
+            for b in BLOCKS
+            for p in [prompts[f"uniform-{n}"]]
+        )
+        + f"; {import_cost()}."
+    )
     return 0
 
 

@@ -56,12 +56,16 @@ NOISE = 20_000
 _STARTING = (OSError, httpx.HTTPError, redis.RedisError)
 
 
-def _index(store: Store, ip: str, members: list[int], hybrid: bool, block: int,
-           rng: random.Random) -> None:
+def _index(
+    store: Store, ip: str, members: list[int], hybrid: bool, block: int, rng: random.Random
+) -> None:
     gen = store.upsert_instance(Instance(ip=ip, uid=f"u-{ip}"))[1]
     ops = TierOps()
-    shape = ((0, "sliding_window", 128), (1, "full_attention", None)) if hybrid \
+    shape = (
+        ((0, "sliding_window", 128), (1, "full_attention", None))
+        if hybrid
         else ((0, "full_attention", None),)
+    )
     noise = [rng.getrandbits(64) for _ in range(NOISE)]
     for g, kind, window in shape:
         ops.describe(g, kind, block, window)
@@ -96,15 +100,25 @@ def _in_process(store: Store, bodies: dict[str, bytes], rounds: int) -> dict[str
     out: dict[str, Any] = {name: [] for name in bodies}
     counts = {}
     for body in bodies.values():  # warm: the views are learned on the first request
-        hit_rate.score(hit_rate.parse_request(body), counting, counting,  # type: ignore[arg-type]
-                       metrics, views)
+        hit_rate.score(
+            hit_rate.parse_request(body),
+            counting,
+            counting,  # type: ignore[arg-type]
+            metrics,
+            views,
+        )
     for _ in range(rounds):
         for name, body in bodies.items():
             counting.trips = counting.hashings = 0
             started = time.thread_time()
             for _ in range(50):
-                hit_rate.score(hit_rate.parse_request(body), counting, counting,  # type: ignore[arg-type]
-                               metrics, views)
+                hit_rate.score(
+                    hit_rate.parse_request(body),
+                    counting,
+                    counting,  # type: ignore[arg-type]
+                    metrics,
+                    views,
+                )
             out[name].append((time.thread_time() - started) / 50 * 1e6)
             counts[name] = (counting.trips / 50, counting.hashings / 50)
     return {name: (statistics.median(v), *counts[name]) for name, v in out.items()}
@@ -114,11 +128,17 @@ def _wrk(url: str, body: bytes, tmp: Path, seconds: int, connections: int) -> fl
     body_file = tmp / f"body-{abs(hash(body))}.json"
     body_file.write_bytes(body)
     script = body_file.with_suffix(".lua")
-    script.write_text(f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                      f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\n'
-                      f"f:close()\n")
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script),
-                          url], capture_output=True, text=True, check=True).stdout
+    script.write_text(
+        f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\n'
+        f"f:close()\n"
+    )
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     if "Non-2xx" in out:
         raise SystemExit(f"bench: non-2xx answers from {url}:\n{out}")
     match = re.search(r"Requests/sec:\s+([\d.]+)", out)
@@ -162,9 +182,24 @@ def main() -> int:
         tmp = Path(tmp_name)
         try:
             port, api_port = free_port(), free_port()
-            procs.append(subprocess.Popen(
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", tmp_name], stdout=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "redis-server",
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        tmp_name,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                )
+            )
             client = redis.Redis(port=port)
             wait_for(client.ping, "redis-server", 30, tolerate=_STARTING)
             store = Store(client)
@@ -174,20 +209,34 @@ def main() -> int:
                 _index(store, ip, members, False, block, rng)
             for ip in hybrid:
                 _index(store, ip, members, True, block, rng)
-            bodies = {name: orjson.dumps({"server_ip": ips, "body": {
-                "token_ids": prompt, "block_size": block}})
-                for name, ips in (("single group", single), ("2 groups (SWA + FA)", hybrid))}
+            bodies = {
+                name: orjson.dumps(
+                    {"server_ip": ips, "body": {"token_ids": prompt, "block_size": block}}
+                )
+                for name, ips in (("single group", single), ("2 groups (SWA + FA)", hybrid))
+            }
             config = tmp / "config.yaml"
-            config.write_text(f'http:\n  addr: "127.0.0.1:{api_port}"\n  workers: 2\n'
-                              f"log:\n  level: warning\nredis:\n  url: redis://127.0.0.1:{port}/0\n")
+            config.write_text(
+                f'http:\n  addr: "127.0.0.1:{api_port}"\n  workers: 2\n'
+                f"log:\n  level: warning\nredis:\n  url: redis://127.0.0.1:{port}/0\n"
+            )
             env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_INDEXER_")}
             env["PYTHONPATH"] = str(ROOT)
-            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "api",
-                                           "--config", str(config)], cwd=ROOT, env=env,
-                                          stdout=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "services.cli", "api", "--config", str(config)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
             url = f"http://127.0.0.1:{api_port}{hit_rate.PATH}"
-            wait_for(lambda: httpx.get(f"http://127.0.0.1:{api_port}/healthz").status_code
-                     == 200, "the API", 60, tolerate=_STARTING)
+            wait_for(
+                lambda: httpx.get(f"http://127.0.0.1:{api_port}/healthz").status_code == 200,
+                "the API",
+                60,
+                tolerate=_STARTING,
+            )
             for body in bodies.values():  # the workers learn the views
                 for _ in range(8):
                     assert httpx.post(url, content=body).status_code == 200
@@ -197,25 +246,35 @@ def main() -> int:
                     rates[name].append(_wrk(url, body, tmp, args.seconds, args.connections))
             names = list(bodies)
             ratios = [h / s for s, h in zip(rates[names[0]], rates[names[1]])]
-            print(f"## Hybrid vs single group: {CANDIDATES} candidates × {TOKENS} tokens, "
-                  f"block {block}, {args.rounds} rounds × {args.seconds} s, wrk -t1 "
-                  f"-c{args.connections}, 2 API workers, {os.cpu_count()} CPUs\n")
+            print(
+                f"## Hybrid vs single group: {CANDIDATES} candidates × {TOKENS} tokens, "
+                f"block {block}, {args.rounds} rounds × {args.seconds} s, wrk -t1 "
+                f"-c{args.connections}, 2 API workers, {os.cpu_count()} CPUs\n"
+            )
             print("| case | req/s per round | median |")
             print("|---|---|---|")
             for name in names:
-                print(f"| {name} | {', '.join(f'{r:.0f}' for r in rates[name])} | "
-                      f"{statistics.median(rates[name]):.0f} |")
-            print(f"| ratio 2 groups / single | {', '.join(f'{r:.2f}' for r in ratios)} | "
-                  f"**{statistics.median(ratios):.2f}×** |\n")
+                print(
+                    f"| {name} | {', '.join(f'{r:.0f}' for r in rates[name])} | "
+                    f"{statistics.median(rates[name]):.0f} |"
+                )
+            print(
+                f"| ratio 2 groups / single | {', '.join(f'{r:.2f}' for r in ratios)} | "
+                f"**{statistics.median(ratios):.2f}×** |\n"
+            )
             inproc = _in_process(store, bodies, args.rounds)
-            print("| in process (`hit_rate.score`) | CPU µs/request (median) | Redis round "
-                  "trips/request | prompt hashings/request |")
+            print(
+                "| in process (`hit_rate.score`) | CPU µs/request (median) | Redis round "
+                "trips/request | prompt hashings/request |"
+            )
             print("|---|---|---|---|")
             for name, (us, trips, hashings) in inproc.items():
                 print(f"| {name} | {us:.0f} | {trips:.0f} | {hashings:.0f} |")
             group, bare = _memory(client, rng)
-            print(f"\nMemory: a group set {group:.1f} B per block, a bare set {bare:.1f} B per "
-                  f"member: **{group / bare:.2f}×**")
+            print(
+                f"\nMemory: a group set {group:.1f} B per block, a bare set {bare:.1f} B per "
+                f"member: **{group / bare:.2f}×**"
+            )
         finally:
             for proc in reversed(procs):
                 stop(proc)

@@ -56,34 +56,71 @@ IP = "127.0.0.9"
 def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]:
     port = free_port()
     rds = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL)
+        [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     wait_for(lambda: _pings(client), "redis-server", 120, interval=0.001)
     return rds, _ingester(workdir, url), url
 
 
-def _ingester(workdir: Path, url: str, hash_check_rate: int | None = None
-              ) -> subprocess.Popen[bytes]:  # fmt: skip
-    l1: dict[str, object] = {"topic": "kv-events", "backoffInitial": "50ms",
-                             "backoffMax": "1s", "replayTimeout": "5s"}  # fmt: skip
+def _ingester(
+    workdir: Path, url: str, hash_check_rate: int | None = None
+) -> subprocess.Popen[bytes]:
+    l1: dict[str, object] = {
+        "topic": "kv-events",
+        "backoffInitial": "50ms",
+        "backoffMax": "1s",
+        "replayTimeout": "5s",
+    }
     if hash_check_rate is not None:
         l1["hashCheckRate"] = hash_check_rate
     config = workdir / f"config-{hash_check_rate}.yaml"
-    config.write_text(yaml.safe_dump({"redis": {"url": url}, "log": {"level": "warning"},
-                                      "ingest": {"l1": l1}}))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump({"redis": {"url": url}, "log": {"level": "warning"}, "ingest": {"l1": l1}})
+    )
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config),
-         "--shard", "0", "--shards", "1"], cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "l1-ingest",
+            "--config",
+            str(config),
+            "--shard",
+            "0",
+            "--shards",
+            "1",
+        ],
+        cwd=ROOT,
+    )
 
 
 Runs = dict[int, list[tuple[float, float]]]
 
 
-def check_comparison(workdir: Path, url: str, store: Store, batches: int, per_step: int,
-                     rates: list[int], rounds: int) -> Runs:
+def check_comparison(
+    workdir: Path,
+    url: str,
+    store: Store,
+    batches: int,
+    per_step: int,
+    rates: list[int],
+    rounds: int,
+) -> Runs:
     """Per hashCheckRate, ``rounds`` alternating runs each on a fresh ingester: (batches/s,
     ingester CPU µs per batch). CPU time is what the check adds; wall-clock throughput on a
     shared machine mostly measures the other jobs."""
@@ -92,13 +129,15 @@ def check_comparison(workdir: Path, url: str, store: Store, batches: int, per_st
         for rate in rates:
             ingester = _ingester(workdir, url, rate)
             try:
-                t = throughput(store, batches, per_step, uid=f"uid-check-{rate}-{r}",
-                               pid=ingester.pid)
+                t = throughput(
+                    store, batches, per_step, uid=f"uid-check-{rate}-{r}", pid=ingester.pid
+                )
             finally:
                 stop(ingester)
             store.remove_instance(IP)
-            out[rate].append((t["batches"] / t["seconds"],
-                              t["ingester_cpu_seconds"] / t["batches"] * 1e6))
+            out[rate].append(
+                (t["batches"] / t["seconds"], t["ingester_cpu_seconds"] / t["batches"] * 1e6)
+            )
     return out
 
 
@@ -111,17 +150,17 @@ def check_cost(batches: int, per_step: int) -> tuple[float, float, float, int]:
 
     sim = _sim(batches, 16)
     workload = Workload("mixed", prompts=256, prompt_len=1024, block_size=16, seed=1)
-    steps = [sim.models[0].step([workload.next() for _ in range(per_step)])
-             for _ in range(batches)]  # fmt: skip
+    steps = [sim.models[0].step([workload.next() for _ in range(per_step)]) for _ in range(batches)]
     sim.close()
     checker = HashChecker("bench", HashSettings(), 1e12)
     per_block = _per(steps, checker.offer) * len(steps) / max(1, checker.ok)
     empty = HashChecker("bench", HashSettings(), 1e-9)
     empty._tokens = 0.0  # noqa: SLF001 - the budget is spent
     per_empty = _per(steps, empty.offer)
-    children = [[e for e in events if not (isinstance(e, BlockStored)
-                                           and e.parent_block_hash is None)]
-                for events in steps]  # fmt: skip
+    children = [
+        [e for e in events if not (isinstance(e, BlockStored) and e.parent_block_hash is None)]
+        for events in steps
+    ]
     idle = HashChecker("bench", HashSettings(), 1e12)
     per_scan = _per(children, idle.offer)
     assert idle.ok == 0
@@ -159,15 +198,26 @@ def _pings(client: redis.Redis) -> bool:
 
 
 def _sim(batches: int, block_size: int) -> SimulatedVLLM:
-    return SimulatedVLLM(f"tcp://*:{free_port()}", f"tcp://*:{free_port()}", "kv-events",
-                         vllm_version="0.28.0", block_size=block_size, num_blocks=4096,
-                         buffer_steps=batches + 10)
+    return SimulatedVLLM(
+        f"tcp://*:{free_port()}",
+        f"tcp://*:{free_port()}",
+        "kv-events",
+        vllm_version="0.28.0",
+        block_size=block_size,
+        num_blocks=4096,
+        buffer_steps=batches + 10,
+    )
 
 
 def _register(store: Store, sim: SimulatedVLLM, uid: str) -> None:
-    store.upsert_instance(Instance(
-        ip=IP, uid=uid, zmq_endpoint=sim.endpoint.replace("*", "127.0.0.1"),
-        replay_endpoint=sim.replay_endpoint.replace("*", "127.0.0.1")))
+    store.upsert_instance(
+        Instance(
+            ip=IP,
+            uid=uid,
+            zmq_endpoint=sim.endpoint.replace("*", "127.0.0.1"),
+            replay_endpoint=sim.replay_endpoint.replace("*", "127.0.0.1"),
+        )
+    )
 
     def joined() -> bool:  # no-op batches until the ingester has applied one
         if store.last_seq(IP, 0) is not None:
@@ -185,8 +235,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throughput",
-               pid: int | None = None) -> dict[str, float]:
+def throughput(
+    store: Store, batches: int, per_step: int, uid: str = "uid-throughput", pid: int | None = None
+) -> dict[str, float]:
     sim = _sim(batches, 16)
     _register(store, sim, uid)
     workload = Workload("mixed", prompts=256, prompt_len=1024, block_size=16, seed=1)
@@ -197,8 +248,9 @@ def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throug
         if events:
             steps.append(events)
     n_events = sum(len(s) for s in steps)
-    n_hashes = sum(len(e.block_hashes) for s in steps for e in s
-                   if isinstance(e, (BlockStored, BlockRemoved)))
+    n_hashes = sum(
+        len(e.block_hashes) for s in steps for e in s if isinstance(e, (BlockStored, BlockRemoved))
+    )
     payloads_start = sim.last_seq() + 1
     cpu_start = _cpu_seconds(pid) if pid else 0.0
     started = time.perf_counter()
@@ -207,13 +259,18 @@ def throughput(store: Store, batches: int, per_step: int, uid: str = "uid-throug
     sim.flush()
     published = time.perf_counter() - started
     last = payloads_start + batches - 1
-    wait_for(lambda: (store.last_seq(IP, 0) or -1) >= last, "the last batch", 120,
-             interval=0.001)
+    wait_for(lambda: (store.last_seq(IP, 0) or -1) >= last, "the last batch", 120, interval=0.001)
     elapsed = time.perf_counter() - started
     cpu = _cpu_seconds(pid) - cpu_start if pid else 0.0
     sim.close()
-    return {"batches": batches, "events": n_events, "hashes": n_hashes, "seconds": elapsed,
-            "publish_seconds": published, "ingester_cpu_seconds": cpu}
+    return {
+        "batches": batches,
+        "events": n_events,
+        "hashes": n_hashes,
+        "seconds": elapsed,
+        "publish_seconds": published,
+        "ingester_cpu_seconds": cpu,
+    }
 
 
 def raw_sadd(client: redis.Redis, members: int) -> float:
@@ -276,10 +333,14 @@ def main() -> int:
     ap.add_argument("--lag-seconds", type=float, default=10.0)
     ap.add_argument("--check-batches", type=int, default=5_000)
     ap.add_argument("--check-rounds", type=int, default=3)
-    ap.add_argument("--check-rates", default="0,100,1000000",
-                    help="hashCheckRate values compared (blocks/s per instance)")
-    ap.add_argument("--check-only", action="store_true",
-                    help="only the hash self-check comparison (part 3)")
+    ap.add_argument(
+        "--check-rates",
+        default="0,100,1000000",
+        help="hashCheckRate values compared (blocks/s per instance)",
+    )
+    ap.add_argument(
+        "--check-only", action="store_true", help="only the hash self-check comparison (part 3)"
+    )
     args = ap.parse_args()
     rates = [int(r) for r in args.check_rates.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="bench-l1-"))
@@ -289,8 +350,9 @@ def main() -> int:
     try:
         if args.check_only:
             stop(ingester)
-            compared = check_comparison(workdir, url, store, args.check_batches,
-                                        args.per_step, rates, args.check_rounds)
+            compared = check_comparison(
+                workdir, url, store, args.check_batches, args.per_step, rates, args.check_rounds
+            )
             _print_check(compared, *check_cost(2_000, args.per_step), args.check_batches)
             print(f"one fruitless search for an explanation: {search_cost():.1f} ms CPU")
             return 0
@@ -300,8 +362,9 @@ def main() -> int:
         lags = lag(store, args.rate, args.lag_seconds, args.per_step)
         stop(ingester)
         store.remove_instance(IP)
-        compared = check_comparison(workdir, url, store, args.check_batches, args.per_step,
-                                    rates, args.check_rounds)
+        compared = check_comparison(
+            workdir, url, store, args.check_batches, args.per_step, rates, args.check_rounds
+        )
     finally:
         if ingester.poll() is None:
             stop(ingester)
@@ -313,8 +376,10 @@ def main() -> int:
     print(f"| batches applied/s (one ingester) | {t['batches'] / secs:,.0f} |")
     print(f"| events applied/s | {t['events'] / secs:,.0f} |")
     print(f"| block-hash updates applied/s | {t['hashes'] / secs:,.0f} |")
-    print(f"| (per batch: events / hashes) | {t['events'] / t['batches']:.1f} / "
-          f"{t['hashes'] / t['batches']:.1f} |")
+    print(
+        f"| (per batch: events / hashes) | {t['events'] / t['batches']:.1f} / "
+        f"{t['hashes'] / t['batches']:.1f} |"
+    )
     print(f"| (publisher alone: batches/s) | {t['batches'] / t['publish_seconds']:,.0f} |")
     print(f"| raw pipelined SADD, redis-py, members/s | {sadd:,.0f} |")
     print(f"| lag publish→visible at {args.rate:.0f} batches/s, p50 ms | {_pct(lags, 0.5):.2f} |")
@@ -329,21 +394,28 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _print_check(compared: Runs, per_block: float, per_empty: float, per_scan: float,
-                 checked: int, batches: int) -> None:
+def _print_check(
+    compared: Runs, per_block: float, per_empty: float, per_scan: float, checked: int, batches: int
+) -> None:
     off = compared[min(compared)]
     base_rate, base_cpu = _median([r for r, _ in off]), _median([c for _, c in off])
-    print(f"\n| hashCheckRate | batches/s per run ({batches} batches) | median | vs off "
-          "| ingester CPU µs/batch per run | median | vs off |")
+    print(
+        f"\n| hashCheckRate | batches/s per run ({batches} batches) | median | vs off "
+        "| ingester CPU µs/batch per run | median | vs off |"
+    )
     print("|---:|---|---:|---:|---|---:|---:|")
     for rate, runs in compared.items():
         speed, cpu = _median([r for r, _ in runs]), _median([c for _, c in runs])
-        print(f"| {rate:,} | {', '.join(f'{r:,.0f}' for r, _ in runs)} | {speed:,.0f} | "
-              f"{speed / base_rate - 1:+.1%} | {', '.join(f'{c:,.0f}' for _, c in runs)} | "
-              f"{cpu:,.0f} | {cpu / base_cpu - 1:+.1%} |")
-    print(f"\nin-process: {per_block:.1f} µs per checked block ({checked} blocks); per batch "
-          f"{per_empty:.2f} µs with the budget spent, {per_scan:.2f} µs with budget left "
-          "but nothing checkable")
+        print(
+            f"| {rate:,} | {', '.join(f'{r:,.0f}' for r, _ in runs)} | {speed:,.0f} | "
+            f"{speed / base_rate - 1:+.1%} | {', '.join(f'{c:,.0f}' for _, c in runs)} | "
+            f"{cpu:,.0f} | {cpu / base_cpu - 1:+.1%} |"
+        )
+    print(
+        f"\nin-process: {per_block:.1f} µs per checked block ({checked} blocks); per batch "
+        f"{per_empty:.2f} µs with the budget spent, {per_scan:.2f} µs with budget left "
+        "but nothing checkable"
+    )
 
 
 if __name__ == "__main__":

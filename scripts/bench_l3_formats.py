@@ -42,17 +42,20 @@ _LAYERS = 24
 def block_keys(family: str, digest: str) -> list[str]:
     """Every key of one block (TP2; × 24 layers for the layer-wise families)."""
     if family == "vllm":
-        return [f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}"
-                for tp in (0, 1)]
+        return [f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}" for tp in (0, 1)]
     if family == "ascend":
         return [ascend_store_key("Bench-Model", h, digest, form="A") for h in (0, 1)]
     form = "E-LW" if family == "ascend-lw" else "C-LW"
-    return [ascend_store_key("Bench-Model", h, digest, form=form, layer=ly)
-            for h in (0, 1) for ly in range(_LAYERS)]
+    return [
+        ascend_store_key("Bench-Model", h, digest, form=form, layer=ly)
+        for h in (0, 1)
+        for ly in range(_LAYERS)
+    ]
 
 
-def family_keys(rng: random.Random, family: str, n_keys: int,
-                eps: list[str]) -> dict[str, tuple[str, ...]]:
+def family_keys(
+    rng: random.Random, family: str, n_keys: int, eps: list[str]
+) -> dict[str, tuple[str, ...]]:
     keys: dict[str, tuple[str, ...]] = {}
     while len(keys) < n_keys:
         for key in block_keys(family, rng.randbytes(32).hex()):
@@ -62,9 +65,15 @@ def family_keys(rng: random.Random, family: str, n_keys: int,
 
 def compare(n_keys: int, script: str, rounds: int = 5) -> dict[str, Any]:
     """Spawn one fake master per family (``script --serve N --family F``) and poll them."""
-    servers = {f: subprocess.Popen([sys.executable, script, "--serve", str(n_keys),
-                                    "--family", f], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True) for f in FAMILIES}
+    servers = {
+        f: subprocess.Popen(
+            [sys.executable, script, "--serve", str(n_keys), "--family", f],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for f in FAMILIES
+    }
     try:
         urls = {f: s.stdout.readline().strip() for f, s in servers.items()}  # type: ignore[union-attr]
         return _measure(urls, n_keys, rounds)
@@ -90,12 +99,17 @@ def _measure(urls: dict[str, str], n_keys: int, rounds: int) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": n_keys}
         for family, url in urls.items():
             writer = L3Writer(store, "segment", metrics)
-            pollers[family] = MasterPoller(url, cfg, MasterClient(url, 60.0, 60.0), writer,
-                                           metrics, threading.Event())
+            pollers[family] = MasterPoller(
+                url, cfg, MasterClient(url, 60.0, 60.0), writer, metrics, threading.Event()
+            )
             t = time.perf_counter()
             view = _first_poll(pollers[family])
-            out[family] = {"first_wall_s": time.perf_counter() - t,
-                           "blocks": view.blocks.complete, "wall": [], "cpu": []}
+            out[family] = {
+                "first_wall_s": time.perf_counter() - t,
+                "blocks": view.blocks.complete,
+                "wall": [],
+                "cpu": [],
+            }
         for _ in range(rounds):
             for family, poller in pollers.items():
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -126,14 +140,18 @@ def _first_poll(poller: MasterPoller) -> Any:
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    print("| keys | family | blocks | first poll s | steady poll wall s (median) | "
-          "steady CPU s | steady wall vs vllm | steady CPU vs vllm |")
+    print(
+        "| keys | family | blocks | first poll s | steady poll wall s (median) | "
+        "steady CPU s | steady wall vs vllm | steady CPU vs vllm |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         base = r["vllm"]
         for family in FAMILIES:
             f = r[family]
-            print(f"| {r['keys']:,} | {family} | {f['blocks']:,} | {f['first_wall_s']:.2f} | "
-                  f"{f['steady_wall_s']:.2f} | {f['steady_cpu_s']:.2f} | "
-                  f"{f['steady_wall_s'] / base['steady_wall_s']:.2f}× | "
-                  f"{f['steady_cpu_s'] / base['steady_cpu_s']:.2f}× |")
+            print(
+                f"| {r['keys']:,} | {family} | {f['blocks']:,} | {f['first_wall_s']:.2f} | "
+                f"{f['steady_wall_s']:.2f} | {f['steady_cpu_s']:.2f} | "
+                f"{f['steady_wall_s'] / base['steady_wall_s']:.2f}× | "
+                f"{f['steady_cpu_s'] / base['steady_cpu_s']:.2f}× |"
+            )

@@ -73,8 +73,10 @@ PODS = [f"10.0.0.{i}" for i in range(1, 9)]
 
 # -- the fake master process ------------------------------------------------------------
 
-def _block_keys(rng: random.Random, n_blocks: int, eps: list[str],
-                hybrid: bool = False) -> dict[str, tuple[str, ...]]:
+
+def _block_keys(
+    rng: random.Random, n_blocks: int, eps: list[str], hybrid: bool = False
+) -> dict[str, tuple[str, ...]]:
     """TP-2 keys of ``n_blocks`` blocks; ``hybrid``: group 1 too at every 4th block (so
     ``n_blocks`` is scaled by the caller to keep the key count)."""
     keys: dict[str, tuple[str, ...]] = {}
@@ -83,7 +85,8 @@ def _block_keys(rng: random.Random, n_blocks: int, eps: list[str],
         for group in (0, 1) if hybrid and i % 4 == 3 else (0,):
             for tp in (0, 1):
                 keys[f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@{digest}"] = (
-                    rng.choice(eps),)
+                    rng.choice(eps),
+                )
     return keys
 
 
@@ -100,8 +103,11 @@ def serve(n_keys: int, family: str = "") -> None:
     master = FakeMaster("0.3.13")
     master.record_paths = False
     eps = [master.mount(f"{ip}:{12300 + r}", f"{ip}:{15000 + r}") for ip in PODS for r in (0, 1)]
-    master.set_keys(bench_l3_formats.family_keys(rng, family, n_keys, eps) if family
-                    else _block_keys(rng, _blocks_for(n_keys, hybrid), eps, hybrid))
+    master.set_keys(
+        bench_l3_formats.family_keys(rng, family, n_keys, eps)
+        if family
+        else _block_keys(rng, _blocks_for(n_keys, hybrid), eps, hybrid)
+    )
     master.all_keys_body()
     master.start()
     print(master.url, flush=True)
@@ -109,8 +115,9 @@ def serve(n_keys: int, family: str = "") -> None:
         frac = float(line.split()[1])
         keys = list(master.keys.items())
         cut = int(len(keys) * frac) // 2 * 2
-        master.set_keys({**dict(keys[cut:]),
-                         **_block_keys(rng, _blocks_for(cut, hybrid), eps, hybrid)})
+        master.set_keys(
+            {**dict(keys[cut:]), **_block_keys(rng, _blocks_for(cut, hybrid), eps, hybrid)}
+        )
         master.all_keys_body()
         print("ok", flush=True)
 
@@ -122,10 +129,13 @@ def put_client(n_keys: int, host: str, master: str) -> None:
     store = MooncakeDistributedStore()
     assert store.setup(host, "P2PHANDSHAKE", 512 << 20, 16 << 20, "tcp", "", master) == 0
     rng = random.Random(host)
-    keys = [f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}"
-            for digest in (rng.randbytes(32).hex() for _ in range(n_keys // 2)) for tp in (0, 1)]
+    keys = [
+        f"Bench-Model@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{digest}"
+        for digest in (rng.randbytes(32).hex() for _ in range(n_keys // 2))
+        for tp in (0, 1)
+    ]
     for i in range(0, len(keys), 1000):
-        assert store.put_batch(keys[i:i + 1000], [b"x" * 16] * len(keys[i:i + 1000])) == 0
+        assert store.put_batch(keys[i : i + 1000], [b"x" * 16] * len(keys[i : i + 1000])) == 0
     print("ok", flush=True)
     sys.stdin.read()
 
@@ -134,9 +144,16 @@ def real_master(n_keys: int) -> dict[str, Any]:
     """First and steady polls against a real master (run inside a network namespace)."""
     rpc, admin = 50551, 19003
     master = subprocess.Popen(
-        ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-         "--metrics_host=127.0.0.1", f"--metrics_port={admin}",
-         "--enable_metric_reporting=false"], stderr=subprocess.DEVNULL)
+        [
+            "mooncake_master",
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={admin}",
+            "--enable_metric_reporting=false",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
     clients: list[subprocess.Popen[str]] = []
     redis_server = RedisServer().start()
     try:
@@ -144,10 +161,24 @@ def real_master(n_keys: int) -> dict[str, Any]:
         _wait_http(url + "/health")
         t = time.perf_counter()
         for host in ("127.0.0.2", "127.0.0.3"):
-            clients.append(subprocess.Popen(
-                [sys.executable, __file__, "--put", str(n_keys // 2), "--host", host,
-                 "--master", f"127.0.0.1:{rpc}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, text=True))
+            clients.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--put",
+                        str(n_keys // 2),
+                        "--host",
+                        host,
+                        "--master",
+                        f"127.0.0.1:{rpc}",
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
         for c in clients:
             assert c.stdout is not None and c.stdout.readline().strip() == "ok"
         out: dict[str, Any] = {"keys": n_keys, "put_s": time.perf_counter() - t}
@@ -159,14 +190,18 @@ def real_master(n_keys: int) -> dict[str, Any]:
         metrics = PollerMetrics.register()
         writer = L3Writer(store, "segment", metrics)
         cfg = L3PollerSettings(http_timeout=60.0, poll_interval=60.0)
-        poller = MasterPoller(url, cfg, MasterClient(url, 60.0, 60.0), writer, metrics,
-                              threading.Event())
+        poller = MasterPoller(
+            url, cfg, MasterClient(url, 60.0, 60.0), writer, metrics, threading.Event()
+        )
         writer.enroll(url, poller)
         for name in ("first", "steady"):
             wall, cpu = time.perf_counter(), time.process_time()
             view = poller.poll_once()
-            out[name] = {"wall_s": time.perf_counter() - wall,
-                         "cpu_s": time.process_time() - cpu, "blocks": view.blocks.complete}
+            out[name] = {
+                "wall_s": time.perf_counter() - wall,
+                "cpu_s": time.process_time() - cpu,
+                "blocks": view.blocks.complete,
+            }
             t = time.perf_counter()
             assert writer.publish(url, view, owner=poller)
             out[name]["redis_write_s"] = time.perf_counter() - t
@@ -193,6 +228,7 @@ def _wait_http(url: str) -> None:
 
 # -- the measuring process --------------------------------------------------------------
 
+
 class Bench:
     def __init__(self, n_keys: int, hybrid: bool = False) -> None:
         self.n = n_keys
@@ -203,9 +239,17 @@ class Bench:
         for ip in PODS:
             self.store.upsert_instance(Instance(ip=ip, uid=ip))
         self.server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(n_keys),
-             *(["--family", "hybrid"] if hybrid else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                __file__,
+                "--serve",
+                str(n_keys),
+                *(["--family", "hybrid"] if hybrid else []),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.server.stdout is not None
         self.url = self.server.stdout.readline().strip()
         self.cfg = L3PollerSettings(http_timeout=60.0, poll_interval=60.0)
@@ -215,8 +259,9 @@ class Bench:
 
     def poller(self) -> MasterPoller:
         client = MasterClient(self.url, 60.0, 60.0)
-        poller = MasterPoller(self.url, self.cfg, client, self.writer, self.metrics,
-                              threading.Event())
+        poller = MasterPoller(
+            self.url, self.cfg, client, self.writer, self.metrics, threading.Event()
+        )
         self.writer.enroll(self.url, poller)
         return poller
 
@@ -224,9 +269,12 @@ class Bench:
         located = self.metrics.keys_located.value(master=self.url)
         wall, cpu = time.perf_counter(), time.process_time()
         view = poller.poll_once()
-        row = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-               "located": self.metrics.keys_located.value(master=self.url) - located,
-               "blocks": view.blocks.complete}
+        row = {
+            "wall_s": time.perf_counter() - wall,
+            "cpu_s": time.process_time() - cpu,
+            "located": self.metrics.keys_located.value(master=self.url) - located,
+            "blocks": view.blocks.complete,
+        }
         if write:
             t = time.perf_counter()
             assert self.writer.publish(self.url, view, owner=poller)
@@ -255,13 +303,17 @@ class Bench:
         tracemalloc.reset_peak()
         poller.poll_once()
         held, peak = tracemalloc.get_traced_memory()
-        self.out["mem_first"] = {"peak_B_per_key": (peak - base) / self.n,
-                                 "held_B_per_key": (held - base) / self.n}
+        self.out["mem_first"] = {
+            "peak_B_per_key": (peak - base) / self.n,
+            "held_B_per_key": (held - base) / self.n,
+        }
         tracemalloc.reset_peak()
         poller.poll_once()
         held, peak = tracemalloc.get_traced_memory()
-        self.out["mem_steady"] = {"peak_B_per_key": (peak - base) / self.n,
-                                  "held_B_per_key": (held - base) / self.n}
+        self.out["mem_steady"] = {
+            "peak_B_per_key": (peak - base) / self.n,
+            "held_B_per_key": (held - base) / self.n,
+        }
         tracemalloc.stop()
 
     def naive(self) -> None:
@@ -273,8 +325,9 @@ class Bench:
         t_parse = time.perf_counter() - t
         keys = list(parsed)
         for i in range(0, len(keys), 200):
-            parse_batch_body(http.get(self.url + "/batch_query_keys?keys="
-                                      + ",".join(keys[i:i + 200])).content)
+            parse_batch_body(
+                http.get(self.url + "/batch_query_keys?keys=" + ",".join(keys[i : i + 200])).content
+            )
         self.out["naive_poll"] = {"wall_s": time.perf_counter() - t, "parse_s": t_parse}
         del lines, parsed, keys
         tracemalloc.start()
@@ -321,23 +374,33 @@ def report(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         for name in ("first", "steady", "steady2", "churn_1pct"):
             p = r[name]
-            print(f"| {r['keys']:,} | {name} | {p['wall_s']:.2f} | {p['cpu_s']:.2f} | "
-                  f"{int(p['located']):,} | {p['redis_write_s']:.2f} |")
+            print(
+                f"| {r['keys']:,} | {name} | {p['wall_s']:.2f} | {p['cpu_s']:.2f} | "
+                f"{int(p['located']):,} | {p['redis_write_s']:.2f} |"
+            )
         n, q = r["keys"], r["query_key_per_key_ms"]
-        print(f"| {n:,} | baseline: naive stateless poll | {r['naive_poll']['wall_s']:.2f} | "
-              f"– | {n:,} | – |")
-        print(f"| {n:,} | baseline: /query_key per key (2,000 sampled, extrapolated) | "
-              f"{q * n / 1000:.0f} | – | {n:,} | – |")
+        print(
+            f"| {n:,} | baseline: naive stateless poll | {r['naive_poll']['wall_s']:.2f} | "
+            f"– | {n:,} | – |"
+        )
+        print(
+            f"| {n:,} | baseline: /query_key per key (2,000 sampled, extrapolated) | "
+            f"{q * n / 1000:.0f} | – | {n:,} | – |"
+        )
     print()
-    print("| keys | first poll peak B/key | steady peak B/key | held B/key | peak RSS MB "
-          "(RSS before) | naive parse peak B/key |")
+    print(
+        "| keys | first poll peak B/key | steady peak B/key | held B/key | peak RSS MB "
+        "(RSS before) | naive parse peak B/key |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['keys']:,} | {r['mem_first']['peak_B_per_key']:.0f} | "
-              f"{r['mem_steady']['peak_B_per_key']:.0f} | "
-              f"{r['mem_steady']['held_B_per_key']:.0f} | "
-              f"{r['rss_after_polls_MB']:.0f} ({r['rss_before_MB']:.0f}) | "
-              f"{r['naive_mem_B_per_key']:.0f} |")
+        print(
+            f"| {r['keys']:,} | {r['mem_first']['peak_B_per_key']:.0f} | "
+            f"{r['mem_steady']['peak_B_per_key']:.0f} | "
+            f"{r['mem_steady']['held_B_per_key']:.0f} | "
+            f"{r['rss_after_polls_MB']:.0f} ({r['rss_before_MB']:.0f}) | "
+            f"{r['naive_mem_B_per_key']:.0f} |"
+        )
 
 
 def main() -> None:
@@ -351,8 +414,11 @@ def main() -> None:
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--formats", action="store_true", help="compare the key families")
     p.add_argument("--family", default="", help=argparse.SUPPRESS)
-    p.add_argument("--hybrid", action="store_true",
-                   help="a vLLM hybrid's keys: group 0 everywhere, group 1 at every 4th block")
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a vLLM hybrid's keys: group 0 everywhere, group 1 at every 4th block",
+    )
     args = p.parse_args()
     if args.put:
         put_client(args.put, args.host, args.master)
@@ -364,24 +430,32 @@ def main() -> None:
             r = real_master(n)
             for name in ("first", "steady"):
                 q = r[name]
-                print(f"| {n:,} | {r['put_s']:.1f} | {name} | {q['wall_s']:.2f} | "
-                      f"{q['cpu_s']:.2f} | {q['redis_write_s']:.2f} |", flush=True)
+                print(
+                    f"| {n:,} | {r['put_s']:.1f} | {name} | {q['wall_s']:.2f} | "
+                    f"{q['cpu_s']:.2f} | {q['redis_write_s']:.2f} |",
+                    flush=True,
+                )
         return
     if args.serve:
         serve(args.serve, args.family)
         return
     if args.formats:
-        bench_l3_formats.report([bench_l3_formats.compare(int(n), __file__)
-                                 for n in args.sizes.split(",")])
+        bench_l3_formats.report(
+            [bench_l3_formats.compare(int(n), __file__) for n in args.sizes.split(",")]
+        )
         return
     if args.child:
         child(args.child, args.hybrid)
         return
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        out = subprocess.run([sys.executable, __file__, "--child", str(n),
-                              *(["--hybrid"] if args.hybrid else [])], check=True,
-                             capture_output=True, text=True, env={**os.environ})
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(n), *(["--hybrid"] if args.hybrid else [])],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ},
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     report(rows)
 

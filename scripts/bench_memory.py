@@ -50,8 +50,21 @@ class Server:
     def __init__(self, exe: str, workdir: Path) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.client = redis.Redis.from_url(self.url)
         wait_for(self._pings, "the server", 300, interval=0.1)
@@ -73,43 +86,108 @@ class Server:
 
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *argv],
+        cwd=ROOT,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, dict[str, int]]:
     """Run simulator + discovery + l1-ingest; return (memory delta, true hash → copies)."""
     pub, replay = free_port(), free_port()
     config = work / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis": {"url": server.url}, "log": {"level": "warning"},
-        "discovery": {"mode": "static", "static": {"vllm": [{
-            "ip": IP, "name": "pod-0", "zmqEndpoint": f"tcp://127.0.0.1:{pub}",
-            "replayEndpoint": f"tcp://127.0.0.1:{replay}"}]}},
-        "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "50ms",
-                          "backoffMax": "1s", "replayTimeout": "10s"}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "redis": {"url": server.url},
+                "log": {"level": "warning"},
+                "discovery": {
+                    "mode": "static",
+                    "static": {
+                        "vllm": [
+                            {
+                                "ip": IP,
+                                "name": "pod-0",
+                                "zmqEndpoint": f"tcp://127.0.0.1:{pub}",
+                                "replayEndpoint": f"tcp://127.0.0.1:{replay}",
+                            }
+                        ]
+                    },
+                },
+                "ingest": {
+                    "l1": {
+                        "topic": "kv-events",
+                        "backoffInitial": "50ms",
+                        "backoffMax": "1s",
+                        "replayTimeout": "10s",
+                    }
+                },
+            }
+        )
+    )
     store = Store(server.client)
     children = [_spawn(["discovery", "--config", str(config)], work / "discovery.log")]
-    wait_for(lambda: store.get_instance(IP) is not None, "discovery to register the pod", 300,
-             interval=0.1)
+    wait_for(
+        lambda: store.get_instance(IP) is not None,
+        "discovery to register the pod",
+        300,
+        interval=0.1,
+    )
     before = server.used()
-    children.append(_spawn(["l1-ingest", "--config", str(config), "--shard", "0", "--shards",
-                            "1"], work / "ingest.log"))
+    children.append(
+        _spawn(
+            ["l1-ingest", "--config", str(config), "--shard", "0", "--shards", "1"],
+            work / "ingest.log",
+        )
+    )
     state = work / "sim.json"
-    sim = _spawn(["simulate-vllm", "--endpoint", f"tcp://*:{pub}", "--replay-endpoint",
-                  f"tcp://*:{replay}", "--topic", "kv-events", "--num-blocks",
-                  str(args.num_blocks), "--buffer-steps", "100000", "--rate", str(args.rate),
-                  "--requests-per-step", "4", "--workload", args.workload, "--prompts", "512",
-                  "--prompt-len", "2048", "--duration", str(args.seconds), "--state-file",
-                  str(state), "--linger", "600"], work / "sim.log")
+    sim = _spawn(
+        [
+            "simulate-vllm",
+            "--endpoint",
+            f"tcp://*:{pub}",
+            "--replay-endpoint",
+            f"tcp://*:{replay}",
+            "--topic",
+            "kv-events",
+            "--num-blocks",
+            str(args.num_blocks),
+            "--buffer-steps",
+            "100000",
+            "--rate",
+            str(args.rate),
+            "--requests-per-step",
+            "4",
+            "--workload",
+            args.workload,
+            "--prompts",
+            "512",
+            "--prompt-len",
+            "2048",
+            "--duration",
+            str(args.seconds),
+            "--state-file",
+            str(state),
+            "--linger",
+            "600",
+        ],
+        work / "sim.log",
+    )
     children.append(sim)
     try:
-        final = wait_for(lambda: _finished(state), "the simulator's run to end",
-                         args.seconds + 600, interval=0.2)
+        final = wait_for(
+            lambda: _finished(state), "the simulator's run to end", args.seconds + 600, interval=0.2
+        )
         assert final is not None
         truth = final["ranks"]["0"]
-        wait_for(lambda: store.last_seq(IP, 0) == truth["last_seq"], "the ingester to catch up",
-                 300, interval=0.1)
+        wait_for(
+            lambda: store.last_seq(IP, 0) == truth["last_seq"],
+            "the ingester to catch up",
+            300,
+            interval=0.1,
+        )
         counts = {int(h): n for h, n in truth["gpu"].items()}
         if store.tier_counts(IP) != counts:
             raise SystemExit("the index differs from the simulator's true cache")
@@ -136,7 +214,7 @@ def _side_by_side(server: Server, members: list[str], copies: dict[str, int]) ->
     c = server.client
     before = server.used()
     for i in range(0, len(members), 10_000):
-        c.sadd("bare", *members[i:i + 10_000])
+        c.sadd("bare", *members[i : i + 10_000])
     out["bare"] = server.used() - before
     c.delete("bare")
     store = Store(c)
@@ -148,7 +226,7 @@ def _side_by_side(server: Server, members: list[str], copies: dict[str, int]) ->
     before = server.used()
     pipe = c.pipeline(transaction=False)
     for i in range(0, len(members), 10_000):
-        chunk = members[i:i + 10_000]
+        chunk = members[i : i + 10_000]
         pipe.sadd(keys.tier_set(IP), *chunk)
         for legacy in (keys.tier_counts(IP), keys.tier_rank_counts(IP, 0)):
             pipe.hset(legacy, mapping={m: copies[m] for m in chunk})
@@ -183,14 +261,18 @@ def main() -> int:
             second.stop()
     n = len(truth)
     print(f"server: {version.strip()}")
-    print(f"blocks held: {n:,} distinct hashes, {sum(truth.values()):,} copies, "
-          f"{dup:,} with >1 copy ({copies_fields:,} copies-hash fields)\n")
+    print(
+        f"blocks held: {n:,} distinct hashes, {sum(truth.values()):,} copies, "
+        f"{dup:,} with >1 copy ({copies_fields:,} copies-hash fields)\n"
+    )
     print("| structure | used_memory delta | bytes/block | ratio to bare set |")
     print("|---|---:|---:|---:|")
-    rows = [("bare Redis set (SADD)", ref["bare"]),
-            ("L1 index via simulate-vllm → l1-ingest", delta),
-            ("L3 set via Store.replace_l3", ref["l3"]),
-            ("legacy L1 layout (set + cnt + r0 hashes)", ref["legacy"])]
+    rows = [
+        ("bare Redis set (SADD)", ref["bare"]),
+        ("L1 index via simulate-vllm → l1-ingest", delta),
+        ("L3 set via Store.replace_l3", ref["l3"]),
+        ("legacy L1 layout (set + cnt + r0 hashes)", ref["legacy"]),
+    ]
     for name, value in rows:
         print(f"| {name} | {value:,} | {value / n:.1f} | {value / ref['bare']:.2f} |")
     return 0

@@ -83,7 +83,7 @@ def _fill(store: Store, data: Data, start: int, stop: int, blocks: int, batch: i
         held += [rng.getrandbits(64) for _ in range(max(0, blocks - len(held)))]
         for seq, off in enumerate(range(0, len(held), batch)):
             ops = TierOps()
-            ops.store("l1", held[off:off + batch])
+            ops.store("l1", held[off : off + batch])
             store.apply_batch(ip, gen, 0, seq, ops)
         store.replace_l3(ip, l3 + [rng.getrandbits(64) for _ in range(1000)], gen=gen)
 
@@ -94,8 +94,18 @@ def _bodies(data: Data, n_inst: int, candidates: int, tokens: int, count: int = 
     for _ in range(count):
         p = rng.randrange(POOL)
         ips = [_ip(i) for i in rng.sample(range(n_inst), candidates)]
-        out.append(orjson.dumps({"server_ip": ips, "body": {
-            "token_ids": data.prompts[p][:tokens], "block_size": BLOCK, "cache_salt": ""}}))
+        out.append(
+            orjson.dumps(
+                {
+                    "server_ip": ips,
+                    "body": {
+                        "token_ids": data.prompts[p][:tokens],
+                        "block_size": BLOCK,
+                        "cache_salt": "",
+                    },
+                }
+            )
+        )
     return out
 
 
@@ -107,8 +117,9 @@ def _client(urls: list[str], bodies: list[bytes], seconds: float, offset: int) -
     while time.perf_counter() < end:
         k = i % len(urls)
         t0 = time.perf_counter()
-        r = clients[k].post(urls[k], content=bodies[i % len(bodies)],
-                            headers={"Content-Type": "application/json"})
+        r = clients[k].post(
+            urls[k], content=bodies[i % len(bodies)], headers={"Content-Type": "application/json"}
+        )
         latencies.append(time.perf_counter() - t0)
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
@@ -138,16 +149,29 @@ class Tally:
         return len(self.lat) / self.elapsed if self.elapsed else 0.0
 
 
-def _http_round(pool: ProcessPoolExecutor, urls: list[str], bodies: list[bytes],
-                seconds: float, clients: int, tally: Tally) -> None:
+def _http_round(
+    pool: ProcessPoolExecutor,
+    urls: list[str],
+    bodies: list[bytes],
+    seconds: float,
+    clients: int,
+    tally: Tally,
+) -> None:
     t0 = time.perf_counter()
     futures = [pool.submit(_client, urls, bodies, seconds, j * 17) for j in range(clients)]
     tally.lat += [x for f in futures for x in f.result()]
     tally.elapsed += time.perf_counter() - t0
 
 
-def _direct_round(store: Store, data: Data, n_inst: int, candidates: int, tokens: int,
-                  seconds: float, tally: Tally) -> None:
+def _direct_round(
+    store: Store,
+    data: Data,
+    n_inst: int,
+    candidates: int,
+    tokens: int,
+    seconds: float,
+    tally: Tally,
+) -> None:
     rng = random.Random(len(tally.lat))
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -165,18 +189,35 @@ def _apis(cfg: RedisConfig, replicas: int, work: Path, tag: str) -> Iterator[lis
     for r in range(replicas):
         port = reserve_port()
         path = work / f"api-{tag}-{r}.yaml"
-        path.write_text(yaml.safe_dump({
-            "redis": {"url": cfg.url, "cluster": cfg.cluster}, "log": {"level": "warning"},
-            "http": {"addr": f"127.0.0.1:{port}"}}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "redis": {"url": cfg.url, "cluster": cfg.cluster},
+                    "log": {"level": "warning"},
+                    "http": {"addr": f"127.0.0.1:{port}"},
+                }
+            )
+        )
         log = (work / f"api-{tag}-{r}.log").open("ab")
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "api", "--config",
-                                       str(path)], cwd=ROOT, stdout=log, stderr=log))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "api", "--config", str(path)],
+                cwd=ROOT,
+                stdout=log,
+                stderr=log,
+            )
+        )
         urls.append(f"http://127.0.0.1:{port}/kv-cache/hit-rate")
     try:
         for url in urls:
-            wait_for(lambda u=url: httpx.get(u.replace("kv-cache/hit-rate", "readyz"),
-                                             timeout=1).status_code == 200, timeout=60,
-                     what="an API replica")
+            wait_for(
+                lambda u=url: (
+                    httpx.get(u.replace("kv-cache/hit-rate", "readyz"), timeout=1).status_code
+                    == 200
+                ),
+                timeout=60,
+                what="an API replica",
+            )
         yield urls
     finally:
         for p in procs:
@@ -199,8 +240,7 @@ class Fleet:
         self.kind, self.n = kind, n
         self.servers: Node | Cluster = Cluster(3) if kind == "cluster" else Node()
         self.servers.start()
-        self.cfg = RedisConfig(url=self.servers.url, cluster=kind == "cluster",
-                               socket_timeout=30)  # type: ignore[arg-type]
+        self.cfg = RedisConfig(url=self.servers.url, cluster=kind == "cluster", socket_timeout=30)  # type: ignore[arg-type]
         self.client = connect(self.cfg, retries=3)
         self.store = Store(self.client)
         base = _used_memory(self.client, self.cfg.cluster)
@@ -225,24 +265,33 @@ def _compare(args: argparse.Namespace, fleets: list[Fleet], data: Data, work: Pa
         direct = [Tally() for _ in fleets]
         for _ in range(rounds):
             for f, t in zip(fleets, direct):
-                _direct_round(f.store, data, f.pool(small_pool), candidates, tokens,
-                              args.seconds / rounds, t)
+                _direct_round(
+                    f.store, data, f.pool(small_pool), candidates, tokens, args.seconds / rounds, t
+                )
         for replicas in (1, 3):
             http = [Tally() for _ in fleets]
-            with _apis(fleets[0].cfg, replicas, work, "s") as su, \
-                    _apis(fleets[1].cfg, replicas, work, "l") as lu, \
-                    ProcessPoolExecutor(args.clients) as pool:
+            with (
+                _apis(fleets[0].cfg, replicas, work, "s") as su,
+                _apis(fleets[1].cfg, replicas, work, "l") as lu,
+                ProcessPoolExecutor(args.clients) as pool,
+            ):
                 for urls, b in zip((su, lu), bodies):
                     _client(urls, b[:4], 0.5, 0)  # warm-up
                 for _ in range(rounds):
                     for urls, b, t in zip((su, lu), bodies, http):
                         _http_round(pool, urls, b, args.seconds / rounds, args.clients, t)
             for f, h, d in zip(fleets, http, direct):
-                print(f"| {f.kind} | {f.n:,} ({f.pool(small_pool)}) | {shape} | {replicas} | "
-                      f"{h.row()} | {d.row(2)} |", flush=True)
-            print(f"| {fleets[1].kind} ratio large/small | | {shape} | {replicas} | "
-                  f"{http[1].rate / http[0].rate:.2f} | | | "
-                  f"{direct[1].rate / direct[0].rate:.2f} | | |", flush=True)
+                print(
+                    f"| {f.kind} | {f.n:,} ({f.pool(small_pool)}) | {shape} | {replicas} | "
+                    f"{h.row()} | {d.row(2)} |",
+                    flush=True,
+                )
+            print(
+                f"| {fleets[1].kind} ratio large/small | | {shape} | {replicas} | "
+                f"{http[1].rate / http[0].rate:.2f} | | | "
+                f"{direct[1].rate / direct[0].rate:.2f} | | |",
+                flush=True,
+            )
 
 
 def _backend(args: argparse.Namespace, kind: str, data: Data, work: Path) -> None:
@@ -250,10 +299,12 @@ def _backend(args: argparse.Namespace, kind: str, data: Data, work: Path) -> Non
     try:
         fleets.append(Fleet(kind, args.instances, args, data))
         for f in fleets:
-            print(f"<!-- {kind}: {f.n} instances × {args.blocks} blocks filled in "
-                  f"{f.fill_s:.0f} s; used_memory +{f.memory / 1e6:,.0f} MB = "
-                  f"{f.memory / (f.n * args.blocks):.0f} B per L1 block (L3 included) -->",
-                  flush=True)
+            print(
+                f"<!-- {kind}: {f.n} instances × {args.blocks} blocks filled in "
+                f"{f.fill_s:.0f} s; used_memory +{f.memory / 1e6:,.0f} MB = "
+                f"{f.memory / (f.n * args.blocks):.0f} B per L1 block (L3 included) -->",
+                flush=True,
+            )
         _compare(args, fleets, data, work)
     finally:
         for f in fleets:
@@ -271,8 +322,10 @@ def main() -> int:
     p.add_argument("--backends", default="single,cluster")
     args = p.parse_args()
     data = Data()
-    print("| backend | instances (candidate pool) | request | API replicas | HTTP req/s | p50 ms "
-          "| p99 ms | prefix_lengths/s | p50 ms | p99 ms |")
+    print(
+        "| backend | instances (candidate pool) | request | API replicas | HTTP req/s | p50 ms "
+        "| p99 ms | prefix_lengths/s | p50 ms | p99 ms |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for kind in args.backends.split(","):

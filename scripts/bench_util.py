@@ -21,8 +21,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(cond: Callable[[], T], what: str, timeout: float, interval: float = 0.05,
-             tolerate: tuple[type[BaseException], ...] = ()) -> T:
+def wait_for(
+    cond: Callable[[], T],
+    what: str,
+    timeout: float,
+    interval: float = 0.05,
+    tolerate: tuple[type[BaseException], ...] = (),
+) -> T:
     """Poll ``cond`` until it returns something true and return that; an exception in
     ``tolerate`` counts as not yet (a server still starting). SystemExit naming ``what``
     after ``timeout`` seconds."""

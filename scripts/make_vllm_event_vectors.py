@@ -51,13 +51,22 @@ PREFIX = list(range(1000, 1032))  # two blocks shared by A and C
 
 
 def _manager() -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8,
-                             dtype=torch.float16)  # fmt: skip
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)])  # fmt: skip
-    return KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_SIZE,
-                          hash_block_size=BLOCK_SIZE, enable_caching=True,
-                          enable_kv_cache_events=True)  # fmt: skip
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
 
 
 def _requests(hasher: object) -> list[Request]:
@@ -69,9 +78,18 @@ def _requests(hasher: object) -> list[Request]:
         ("D", list(range(8000, 8040)), None, lora),
         ("E", list(range(9000, 9100)), None, None),  # evicts most of the pool
     ]
-    return [Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher,
-                    cache_salt=salt, lora_request=lr)  # type: ignore[arg-type]
-            for rid, tokens, salt, lr in specs]  # fmt: skip
+    return [
+        Request(
+            rid,
+            tokens,
+            SamplingParams(max_tokens=1),
+            None,
+            block_hasher=hasher,
+            cache_salt=salt,
+            lora_request=lr,
+        )  # type: ignore[arg-type]
+        for rid, tokens, salt, lr in specs
+    ]
 
 
 def _join(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) -> None:
@@ -101,8 +119,9 @@ def _capture(algo: str) -> dict[str, object]:
     steps = []
     for request in _requests(hasher):
         computed, n_computed = manager.get_computed_blocks(request)[:2]
-        blocks = manager.allocate_slots(request, request.num_tokens - n_computed, n_computed,
-                                        computed)  # fmt: skip
+        blocks = manager.allocate_slots(
+            request, request.num_tokens - n_computed, n_computed, computed
+        )
         assert blocks is not None, f"request {request.request_id} did not fit"
         events = manager.take_events()
         manager.free(request)
@@ -114,13 +133,23 @@ def _capture(algo: str) -> dict[str, object]:
         if not sub.poll(5000):
             raise SystemExit("the publisher sent fewer batches than published")
         topic, seq, payload = sub.recv_multipart()
-        frames.append({"topic": topic.decode(), "seq": int.from_bytes(seq, "big"),
-                       "payload_hex": payload.hex()})  # fmt: skip
+        frames.append(
+            {
+                "topic": topic.decode(),
+                "seq": int.from_bytes(seq, "big"),
+                "payload_hex": payload.hex(),
+            }
+        )
     publisher.shutdown()
     sub.close(linger=0)
-    return {"algo": algo, "python_hash_seed": SEED, "block_size": BLOCK_SIZE,
-            "requests": steps, "none_hash_hex": bytes(kv_cache_utils.NONE_HASH).hex(),
-            "frames": frames}  # fmt: skip
+    return {
+        "algo": algo,
+        "python_hash_seed": SEED,
+        "block_size": BLOCK_SIZE,
+        "requests": steps,
+        "none_hash_hex": bytes(kv_cache_utils.NONE_HASH).hex(),
+        "frames": frames,
+    }
 
 
 ABOUT = (
@@ -132,16 +161,17 @@ ABOUT = (
 
 def main(argv: list[str]) -> int:
     captures = [_capture(algo) for algo in ("sha256_cbor", "sha256")]
-    doc = {"about": ABOUT, "vllm_version": vllm_version, "topic": TOPIC,
-           "captures": captures}  # fmt: skip
+    doc = {"about": ABOUT, "vllm_version": vllm_version, "topic": TOPIC, "captures": captures}
     text = json.dumps(doc, indent=1) + "\n"
     if not argv:
         print(text)
         return 0
     with open(argv[0], "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"{argv[0]}: vLLM {vllm_version}, seed {SEED!r}, "
-          f"{sum(len(c['frames']) for c in captures)} batches")  # type: ignore[arg-type]
+    print(
+        f"{argv[0]}: vLLM {vllm_version}, seed {SEED!r}, "
+        f"{sum(len(c['frames']) for c in captures)} batches"
+    )  # type: ignore[arg-type]
     return 0
 
 

@@ -42,8 +42,14 @@ CASES = [  # name, seed, algo, block_size, cache_salt, lora
 ]
 
 
-def _case(name: str, seed: str | None, algo: str, block_size: int, salt: str | None,
-          lora: tuple[str, str] | None) -> dict[str, object]:  # fmt: skip
+def _case(
+    name: str,
+    seed: str | None,
+    algo: str,
+    block_size: int,
+    salt: str | None,
+    lora: tuple[str, str] | None,
+) -> dict[str, object]:
     if seed is None:
         os.environ.pop("PYTHONHASHSEED", None)
     else:
@@ -56,15 +62,28 @@ def _case(name: str, seed: str | None, algo: str, block_size: int, salt: str | N
         return {"name": name, "seed": seed, "algo": algo, "deterministic": False}
     hasher = kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
     lora_request = LoRARequest(lora[0], 1, lora[1]) if lora else None
-    request = Request(name, TOKENS, SamplingParams(max_tokens=1), None, block_hasher=hasher,
-                      cache_salt=salt, lora_request=lora_request)  # fmt: skip
+    request = Request(
+        name,
+        TOKENS,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=hasher,
+        cache_salt=salt,
+        lora_request=lora_request,
+    )
     return {
-        "name": name, "seed": seed, "algo": algo, "block_size": block_size,
-        "cache_salt": salt, "lora_name": lora and lora[0], "lora_path": lora and lora[1],
-        "token_ids": TOKENS, "deterministic": True,
+        "name": name,
+        "seed": seed,
+        "algo": algo,
+        "block_size": block_size,
+        "cache_salt": salt,
+        "lora_name": lora and lora[0],
+        "lora_path": lora and lora[1],
+        "token_ids": TOKENS,
+        "deterministic": True,
         "none_hash_hex": bytes(kv_cache_utils.NONE_HASH).hex(),
         "block_hashes_hex": [bytes(block_hash).hex() for block_hash in request.block_hashes],
-    }  # fmt: skip
+    }
 
 
 ABOUT = (

@@ -23,144 +23,220 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT: set[str] = set()
 
 M: list[tuple[str, str, str]] = [  # name, original text, mutated text
-    ('APPLY: generation checked only without an owner',
-     "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end",
-     "if ARGV[4] == '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, "
-     '0, 0} end'),
-    ('APPLY: owner never checked',
-     "if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} en"
-     'd',
-     "if false and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end"),
-    ("clear_rank takes one copy, not all of the rank's",
-     "      t[ri] = 0\n      if ri > 1",
-     "      t[ri] = t[ri] - 1\n      if ri > 1"),
-    ('clear_rank of rank 0 keeps the set',
-     "    redis.call('UNLINK', set)\n    for i = 1, #keep",
-     '    for i = 1, #keep'),
-    ('clear_rank of rank 0 puts back a hash with no copy left',
-     "      if v == '' then\n        redis.call('HDEL', x, h)\n      else",
-     "      if false then\n      else"),
-    ('APPLY: equal sequence applied again (< instead of <=)',
-     'if last and seq <= tonumber(last) then',
-     'if last and seq < tonumber(last) then'),
-    ('APPLY: reset keeps the old sequence',
-     "  redis.call('HDEL', KEYS[3], seqf)\nend",
-     'end'),
-    ('APPLY: reset does not clear L2',
-     "cleared = clear_rank('l1', rank) + clear_rank('l2', rank)",
-     "cleared = clear_rank('l1', rank)"),
-    ('APPLY: AllBlocksCleared clears tier l1 whatever the tier',
-     '    cleared = cleared + clear_rank(tier, rank)',
-     "    cleared = cleared + clear_rank('l1', rank)"),
-    ('APPLY: gap not counted',
-     "if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end",
-     ''),
-    ('APPLY: a first copy on rank > 0 recorded as on rank 0',
-     "    if ri > 1 then\n      local t = {}",
-     "    if false then\n      local t = {}"),
-    ('APPLY: a further copy not counted',
-     "  t[ri] = t[ri] + 1\n",
-     "  t[ri] = math.max(t[ri], 1)\n"),
-    ('APPLY: remove keeps a zero entry in the copies hash',
-     "  if v == '' then\n    redis.call('HDEL', x, h)\n    redis.call('SREM', set, h)",
-     "  if v == '' then\n    redis.call('HSET', x, h, '0')\n    redis.call('SREM', set, h)"),
-    ('APPLY: remove keeps a member with no copy left',
-     "    redis.call('SREM', set, h)\n  elseif",
-     "  elseif"),
-    ('APPLY: one copy on rank 0 kept in the copies hash (not sparse)',
-     "  elseif v == '1' then",
-     "  elseif false then"),
-    ('APPLY: remove of an unknown hash not counted',
-     "else unknown = unknown + 1 end",
-     "end"),
-    ('APPLY: sequence not recorded',
-     "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nreturn {1,",
-     'return {1,'),
-    ('UPSERT: container restart keeps L1',
-     "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  drop_event_tiers()",
-     "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  local _ = 0"),
-    ('UPSERT: new pod keeps L3',
-     'elseif cur_uid ~= uid then\n  drop_all()',
-     'elseif cur_uid ~= uid then\n  drop_event_tiers()'),
-    ('UPSERT: new pod keeps the generation',
-     "if result == 'unchanged' or result == 'updated' then",
-     "if result ~= 'added' then"),
-    ('UPSERT: a changed field reported unchanged',
-     "if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end",
-     ''),
-    ('next_gen ignores the clock (repeats after data loss)',
-     "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
-     "local gen = tonumber(redis.call('GET', KEYS[2]) or '0') + 1"),
-    ('next_gen ignores the last generation',
-     "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
-     'local gen = now'),
-    ('REMOVE: generation not bumped',
-     "redis.call('DEL', KEYS[1])\nnext_gen()\nreturn existed",
-     "redis.call('DEL', KEYS[1])\nreturn existed"),
-    ('drop_event_tiers keeps the per-rank hashes',
-     "    redis.call('UNLINK', ARGV[1] .. r, ARGV[2] .. r)\n",
-     ''),
-    ('drop_all keeps the owner lease',
-     "  drop_l3()\n  redis.call('UNLINK', KEYS[4])\nend",
-     "  drop_l3()\nend"),
-    ('REPLACE_L3: generation not checked',
-     "   or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then",
-     '   or false then'),
-    ('REPLACE_L3: unregistered instance written',
-     "if redis.call('EXISTS', KEYS[1]) == 0\n   or",
-     'if false\n   or'),
-    ('REPLACE_L3: empty set keeps the old one',
-     "  else\n    redis.call('UNLINK', set)\n  end",
-     '  end'),
-    ('REPLACE_L3: a group absent from the new data is kept',
-     "  if not keep[g] then redis.call('UNLINK', (l3_keys(g))) end\n",
-     ''),
-    ('drop_all keeps the L3 group sets',
-     "        redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new')\n",
-     ''),
-    ('groups: every group written to group 0',
-     "  if g == nil or g == '0' then return set, x end",
-     '  if true then return set, x end'),
-    ('groups: AllBlocksCleared clears group 0 only',
-     "  for _, g in ipairs(event_groups()) do cleared = cleared + clear_rank_group(tier, g, rank) "
-     'end',
-     "  cleared = clear_rank_group(tier, '0', rank)"),
-    ('groups: drop_event_tiers keeps the group sets',
-     "      redis.call('UNLINK', s1, x1, s2, x2)\n",
-     ''),
-    ('groups: a changed kind is not a conflict',
-     "    if kind ~= '-' and ck ~= '-' and (kind ~= ck or w ~= cw) then",
-     '    if false then'),
-    ('groups: a changed window is not a conflict',
-     "(kind ~= ck or w ~= cw) then",
-     '(kind ~= ck) then'),
-    ('groups: the layout without descriptors is trusted',
-     "   or (redis.call('EXISTS', KEYS[14]) == 0 and redis.call('EXISTS', KEYS[5], KEYS[7]) > 0) "
-     'then',
-     '   or false then'),
-    ('groups: the last block size seen kept, not the largest',
-     '    if b > cb then cb = b end',
-     '    if b > 0 then cb = b end'),
-    ('groups: a store without descriptor leaves no field',
-     "    learned[g] = redis.call('HGET', KEYS[14], g) or '-,0,,0'",
-     "    learned[g] = redis.call('HGET', KEYS[14], g)"),
-    ('TOUCH_L3: generation not checked',
-     "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end\nredis.call('HSET', KEY"
-     'S[11]',
-     "redis.call('HSET', KEYS[11]"),
-    ('CLAIM: renewal does not extend',
-     "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n",
-     ''),
-    ("CLAIM: another holder's lease taken",
-     "if not cur then\n  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n  return 1\nend\nre"
-     'turn 0',
-     "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\nreturn 1"),
-    ('HEARTBEAT: expired ingesters not pruned',
-     "redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))\n",
-     ''),
-    ("RELEASE: another holder's lease released",
-     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end",
-     "return redis.call('DEL', KEYS[1])"),
+    (
+        "APPLY: generation checked only without an owner",
+        "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end",
+        "if ARGV[4] == '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, "
+        "0, 0} end",
+    ),
+    (
+        "APPLY: owner never checked",
+        "if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} en"
+        "d",
+        "if false and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end",
+    ),
+    (
+        "clear_rank takes one copy, not all of the rank's",
+        "      t[ri] = 0\n      if ri > 1",
+        "      t[ri] = t[ri] - 1\n      if ri > 1",
+    ),
+    (
+        "clear_rank of rank 0 keeps the set",
+        "    redis.call('UNLINK', set)\n    for i = 1, #keep",
+        "    for i = 1, #keep",
+    ),
+    (
+        "clear_rank of rank 0 puts back a hash with no copy left",
+        "      if v == '' then\n        redis.call('HDEL', x, h)\n      else",
+        "      if false then\n      else",
+    ),
+    (
+        "APPLY: equal sequence applied again (< instead of <=)",
+        "if last and seq <= tonumber(last) then",
+        "if last and seq < tonumber(last) then",
+    ),
+    ("APPLY: reset keeps the old sequence", "  redis.call('HDEL', KEYS[3], seqf)\nend", "end"),
+    (
+        "APPLY: reset does not clear L2",
+        "cleared = clear_rank('l1', rank) + clear_rank('l2', rank)",
+        "cleared = clear_rank('l1', rank)",
+    ),
+    (
+        "APPLY: AllBlocksCleared clears tier l1 whatever the tier",
+        "    cleared = cleared + clear_rank(tier, rank)",
+        "    cleared = cleared + clear_rank('l1', rank)",
+    ),
+    (
+        "APPLY: gap not counted",
+        "if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end",
+        "",
+    ),
+    (
+        "APPLY: a first copy on rank > 0 recorded as on rank 0",
+        "    if ri > 1 then\n      local t = {}",
+        "    if false then\n      local t = {}",
+    ),
+    (
+        "APPLY: a further copy not counted",
+        "  t[ri] = t[ri] + 1\n",
+        "  t[ri] = math.max(t[ri], 1)\n",
+    ),
+    (
+        "APPLY: remove keeps a zero entry in the copies hash",
+        "  if v == '' then\n    redis.call('HDEL', x, h)\n    redis.call('SREM', set, h)",
+        "  if v == '' then\n    redis.call('HSET', x, h, '0')\n    redis.call('SREM', set, h)",
+    ),
+    (
+        "APPLY: remove keeps a member with no copy left",
+        "    redis.call('SREM', set, h)\n  elseif",
+        "  elseif",
+    ),
+    (
+        "APPLY: one copy on rank 0 kept in the copies hash (not sparse)",
+        "  elseif v == '1' then",
+        "  elseif false then",
+    ),
+    ("APPLY: remove of an unknown hash not counted", "else unknown = unknown + 1 end", "end"),
+    (
+        "APPLY: sequence not recorded",
+        "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nreturn {1,",
+        "return {1,",
+    ),
+    (
+        "UPSERT: container restart keeps L1",
+        "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  drop_event_tiers()",
+        "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  local _ = 0",
+    ),
+    (
+        "UPSERT: new pod keeps L3",
+        "elseif cur_uid ~= uid then\n  drop_all()",
+        "elseif cur_uid ~= uid then\n  drop_event_tiers()",
+    ),
+    (
+        "UPSERT: new pod keeps the generation",
+        "if result == 'unchanged' or result == 'updated' then",
+        "if result ~= 'added' then",
+    ),
+    (
+        "UPSERT: a changed field reported unchanged",
+        "if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end",
+        "",
+    ),
+    (
+        "next_gen ignores the clock (repeats after data loss)",
+        "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
+        "local gen = tonumber(redis.call('GET', KEYS[2]) or '0') + 1",
+    ),
+    (
+        "next_gen ignores the last generation",
+        "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
+        "local gen = now",
+    ),
+    (
+        "REMOVE: generation not bumped",
+        "redis.call('DEL', KEYS[1])\nnext_gen()\nreturn existed",
+        "redis.call('DEL', KEYS[1])\nreturn existed",
+    ),
+    (
+        "drop_event_tiers keeps the per-rank hashes",
+        "    redis.call('UNLINK', ARGV[1] .. r, ARGV[2] .. r)\n",
+        "",
+    ),
+    (
+        "drop_all keeps the owner lease",
+        "  drop_l3()\n  redis.call('UNLINK', KEYS[4])\nend",
+        "  drop_l3()\nend",
+    ),
+    (
+        "REPLACE_L3: generation not checked",
+        "   or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then",
+        "   or false then",
+    ),
+    (
+        "REPLACE_L3: unregistered instance written",
+        "if redis.call('EXISTS', KEYS[1]) == 0\n   or",
+        "if false\n   or",
+    ),
+    (
+        "REPLACE_L3: empty set keeps the old one",
+        "  else\n    redis.call('UNLINK', set)\n  end",
+        "  end",
+    ),
+    (
+        "REPLACE_L3: a group absent from the new data is kept",
+        "  if not keep[g] then redis.call('UNLINK', (l3_keys(g))) end\n",
+        "",
+    ),
+    (
+        "drop_all keeps the L3 group sets",
+        "        redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new')\n",
+        "",
+    ),
+    (
+        "groups: every group written to group 0",
+        "  if g == nil or g == '0' then return set, x end",
+        "  if true then return set, x end",
+    ),
+    (
+        "groups: AllBlocksCleared clears group 0 only",
+        "  for _, g in ipairs(event_groups()) do "
+        "cleared = cleared + clear_rank_group(tier, g, rank) end",
+        "  cleared = clear_rank_group(tier, '0', rank)",
+    ),
+    (
+        "groups: drop_event_tiers keeps the group sets",
+        "      redis.call('UNLINK', s1, x1, s2, x2)\n",
+        "",
+    ),
+    (
+        "groups: a changed kind is not a conflict",
+        "    if kind ~= '-' and ck ~= '-' and (kind ~= ck or w ~= cw) then",
+        "    if false then",
+    ),
+    (
+        "groups: a changed window is not a conflict",
+        "(kind ~= ck or w ~= cw) then",
+        "(kind ~= ck) then",
+    ),
+    (
+        "groups: the layout without descriptors is trusted",
+        "   or (redis.call('EXISTS', KEYS[14]) == 0 "
+        "and redis.call('EXISTS', KEYS[5], KEYS[7]) > 0) then",
+        "   or false then",
+    ),
+    (
+        "groups: the last block size seen kept, not the largest",
+        "    if b > cb then cb = b end",
+        "    if b > 0 then cb = b end",
+    ),
+    (
+        "groups: a store without descriptor leaves no field",
+        "    learned[g] = redis.call('HGET', KEYS[14], g) or '-,0,,0'",
+        "    learned[g] = redis.call('HGET', KEYS[14], g)",
+    ),
+    (
+        "TOUCH_L3: generation not checked",
+        "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end\nredis.call('HSET', KEY"
+        "S[11]",
+        "redis.call('HSET', KEYS[11]",
+    ),
+    ("CLAIM: renewal does not extend", "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n", ""),
+    (
+        "CLAIM: another holder's lease taken",
+        "if not cur then\n  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n  return 1\nend\nre"
+        "turn 0",
+        "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\nreturn 1",
+    ),
+    (
+        "HEARTBEAT: expired ingesters not pruned",
+        "redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))\n",
+        "",
+    ),
+    (
+        "RELEASE: another holder's lease released",
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end",
+        "return redis.call('DEL', KEYS[1])",
+    ),
 ]
 
 
@@ -169,8 +245,13 @@ def run(tests: list[str]) -> int:
     bad = 0
     with tempfile.TemporaryDirectory(prefix="lua-mutants-") as tmp:
         copy = Path(tmp) / "repo"
-        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
-            ".git", "mutants", "__pycache__", ".pytest_cache", ".local-stack"))
+        shutil.copytree(
+            ROOT,
+            copy,
+            ignore=shutil.ignore_patterns(
+                ".git", "mutants", "__pycache__", ".pytest_cache", ".local-stack"
+            ),
+        )
         target = copy / "common" / "store_lua.py"
         original = target.read_text()
         env = {**os.environ, "PYTHONPATH": str(copy)}
@@ -184,7 +265,13 @@ def run(tests: list[str]) -> int:
             target.write_text(original.replace(old, new))
             proc = subprocess.run(
                 [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                cwd=copy, env=env, capture_output=True, text=True, timeout=900, check=False)
+                cwd=copy,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                check=False,
+            )
             target.write_text(original)
             killer = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
             if proc.returncode != 0:
@@ -197,5 +284,13 @@ def run(tests: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:] or ["tests/unit/test_store.py", "tests/unit/test_store_copies.py",
-                                 "tests/unit/test_store_groups.py"]))
+    sys.exit(
+        run(
+            sys.argv[1:]
+            or [
+                "tests/unit/test_store.py",
+                "tests/unit/test_store_copies.py",
+                "tests/unit/test_store_groups.py",
+            ]
+        )
+    )

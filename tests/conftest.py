@@ -63,11 +63,15 @@ def hash_path(request: pytest.FixtureRequest) -> Iterator[str]:
 
     saved = native.ENCODER
     if request.param != "numpy":
-        require(saved is not None,
-                f"the C block encoder is not built ({native.status()}); run scripts/setup.sh")
+        require(
+            saved is not None,
+            f"the C block encoder is not built ({native.status()}); run scripts/setup.sh",
+        )
     if request.param == "c-chain":
-        require(saved is not None and saved.sha is not None,
-                f"the C chain has no SHA-256 from libcrypto ({native.status()})")
+        require(
+            saved is not None and saved.sha is not None,
+            f"the C chain has no SHA-256 from libcrypto ({native.status()})",
+        )
     if request.param == "c-encoder":
         assert saved is not None
         encoder = copy.copy(saved)
@@ -149,8 +153,9 @@ def reserve_port() -> int:
     return reserve_ports(1)
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             what: str = "condition") -> Any:
+def wait_for(
+    cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+) -> Any:
     """Poll ``cond`` until it returns something truthy; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
@@ -168,9 +173,14 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
 class Node:
     """One server process; ``args`` are extra command-line config directives."""
 
-    def __init__(self, exe: str = "redis-server", args: list[str] | None = None,
-                 port: int | None = None, workdir: str | None = None,
-                 ping: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        exe: str = "redis-server",
+        args: list[str] | None = None,
+        port: int | None = None,
+        workdir: str | None = None,
+        ping: dict[str, Any] | None = None,
+    ) -> None:
         self.exe = shutil.which(exe) or exe
         self.port = port or reserve_port()
         self.dir = workdir or tempfile.mkdtemp(prefix="ci-node-")
@@ -186,9 +196,25 @@ class Node:
         if not os.path.exists(self.exe):
             raise RuntimeError(f"{self.exe} is not installed (scripts/setup.sh installs it)")
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no", *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--protected-mode",
+                "no",
+                *self.args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         options = {"port": self.port, "socket_timeout": 1, **self.ping_options}
         client = redis.Redis(**options)
         wait_for(client.ping, timeout=15, what=f"{self.exe} on {self.port} to answer PING")
@@ -282,16 +308,21 @@ def mooncake_missing() -> str | None:
     namespace) cannot run on this machine, or None when it can."""
     if shutil.which("mooncake_master") is None:
         return "mooncake_master is not on PATH (pip install mooncake-transfer-engine-non-cuda)"
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], check=False,
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"], check=False, capture_output=True, text=True
+    )
     if probe.returncode != 0:
         return f"mooncake.store does not import (libibverbs1?): {probe.stderr.strip()[-200:]}"
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         return "unshare/ip are not installed (util-linux, iproute2)"
     if os.geteuid() != 0:
         return "network namespaces for the store clients need root"
-    netns = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], check=False,
-                           capture_output=True, text=True)
+    netns = subprocess.run(
+        ["unshare", "-n", "sh", "-c", "ip link set lo up"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if netns.returncode != 0:
         return f"cannot create a network namespace (needs root/CAP_SYS_ADMIN): {netns.stderr}"
     return None

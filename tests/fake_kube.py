@@ -70,26 +70,46 @@ def _parse_term(raw: str) -> Selector:
     raise ValueError(f"unable to parse requirement: {raw!r}")
 
 
-def make_pod(name: str, ip: str | None = "10.0.0.1", labels: dict[str, str] | None = None,
-             *, ready: bool = True, phase: str = "Running", ports: dict[str, int] | None = None,
-             restarts: int = 0, started_at: str = "2024-01-01T00:00:00Z",
-             container: str = "vllm", namespace: str = "default") -> dict[str, Any]:
+def make_pod(
+    name: str,
+    ip: str | None = "10.0.0.1",
+    labels: dict[str, str] | None = None,
+    *,
+    ready: bool = True,
+    phase: str = "Running",
+    ports: dict[str, int] | None = None,
+    restarts: int = 0,
+    started_at: str = "2024-01-01T00:00:00Z",
+    container: str = "vllm",
+    namespace: str = "default",
+) -> dict[str, Any]:
     """A pod as the API serves it (uid and resourceVersion are set by the server)."""
-    port_list = [{"name": n, "containerPort": p, "protocol": "TCP"}
-                 for n, p in (ports or {}).items()]
+    port_list = [
+        {"name": n, "containerPort": p, "protocol": "TCP"} for n, p in (ports or {}).items()
+    ]
     status: dict[str, Any] = {
         "phase": phase,
         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        "containerStatuses": [{
-            "name": container, "ready": ready, "restartCount": restarts, "image": "vllm",
-            "imageID": "", "state": {"running": {"startedAt": started_at}},
-        }],
+        "containerStatuses": [
+            {
+                "name": container,
+                "ready": ready,
+                "restartCount": restarts,
+                "image": "vllm",
+                "imageID": "",
+                "state": {"running": {"startedAt": started_at}},
+            }
+        ],
     }
     if ip:
         status["podIP"] = ip
     return {
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {}),
-                     "creationTimestamp": "2024-01-01T00:00:00Z"},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": dict(labels or {}),
+            "creationTimestamp": "2024-01-01T00:00:00Z",
+        },
         "spec": {"containers": [{"name": container, "image": "vllm", "ports": port_list}]},
         "status": status,
     }
@@ -98,8 +118,13 @@ def make_pod(name: str, ip: str | None = "10.0.0.1", labels: dict[str, str] | No
 class FakeKube:
     """The fake API server. Change pods with add/modify/delete; inject failures with the rest."""
 
-    def __init__(self, port: int | None = None, *, token: str | None = None,
-                 tls: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        token: str | None = None,
+        tls: tuple[str, str] | None = None,
+    ) -> None:
         self.port = port or reserve_port()
         self.token, self.tls = token, tls
         self.gone_as_http = False
@@ -129,8 +154,9 @@ class FakeKube:
             ctx.load_cert_chain(*self.tls)
             server.socket = ctx.wrap_socket(server.socket, server_side=True)
         self._server = server
-        threading.Thread(target=server.serve_forever, args=(0.05,), name="fake-kube",
-                         daemon=True).start()
+        threading.Thread(
+            target=server.serve_forever, args=(0.05,), name="fake-kube", daemon=True
+        ).start()
         return self
 
     def stop(self) -> None:
@@ -146,13 +172,23 @@ class FakeKube:
         if self.tls:
             cluster["certificate-authority"] = self.tls[0]
         user = {"token": self.token} if self.token else {}
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": cluster}],
-            "users": [{"name": "fake", "user": user}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake",
-                                                      "namespace": namespace}}],
-        }))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": cluster}],
+                    "users": [{"name": "fake", "user": user}],
+                    "contexts": [
+                        {
+                            "name": "fake",
+                            "context": {"cluster": "fake", "user": "fake", "namespace": namespace},
+                        }
+                    ],
+                }
+            )
+        )
         return path
 
     # -- pods --------------------------------------------------------------------------
@@ -169,8 +205,9 @@ class FakeKube:
             self._pods[key] = pod
         return copy.deepcopy(pod)
 
-    def modify_pod(self, name: str, change: Callable[[dict[str, Any]], None],
-                   namespace: str = "default") -> dict[str, Any]:
+    def modify_pod(
+        self, name: str, change: Callable[[dict[str, Any]], None], namespace: str = "default"
+    ) -> dict[str, Any]:
         with self._cond:
             old = self._pods[(namespace, name)]
             new = copy.deepcopy(old)
@@ -242,8 +279,15 @@ class FakeKube:
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -275,11 +319,21 @@ class _Handler(BaseHTTPRequestHandler):
         if is_watch:
             return self._watch(m.group(1), selector, q)
         with k._cond:
-            items = [copy.deepcopy(p) for (ns, _), p in sorted(k._pods.items())
-                     if ns == m.group(1) and selector(p["metadata"].get("labels") or {})]
+            items = [
+                copy.deepcopy(p)
+                for (ns, _), p in sorted(k._pods.items())
+                if ns == m.group(1) and selector(p["metadata"].get("labels") or {})
+            ]
             rv = k._rv
-        self._json(200, {"kind": "PodList", "apiVersion": "v1",
-                         "metadata": {"resourceVersion": str(rv)}, "items": items})
+        self._json(
+            200,
+            {
+                "kind": "PodList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(rv)},
+                "items": items,
+            },
+        )
 
     def _json(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -305,8 +359,11 @@ class _Handler(BaseHTTPRequestHandler):
             if too_old and k.gone_as_http:
                 return self._json(410, _status(410, "Expired", "too old resource version"))
             breaks, expires = k._break_gen, k._expire_gen
-            start = [(p, "ADDED") for (pns, _), p in sorted(k._pods.items())
-                     if since is None and pns == ns and selector(p["metadata"]["labels"])]
+            start = [
+                (p, "ADDED")
+                for (pns, _), p in sorted(k._pods.items())
+                if since is None and pns == ns and selector(p["metadata"]["labels"])
+            ]
             cursor = k._rv if since is None else since
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -315,8 +372,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             if too_old:
-                self._chunk({"type": "ERROR", "object": _status(
-                    410, "Expired", f"too old resource version: {since} ({k._min_rv})")})
+                self._chunk(
+                    {
+                        "type": "ERROR",
+                        "object": _status(
+                            410, "Expired", f"too old resource version: {since} ({k._min_rv})"
+                        ),
+                    }
+                )
                 return self._end()
             for pod, kind in start:
                 self._chunk({"type": kind, "object": pod})
@@ -324,19 +387,24 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
             pass
 
-    def _stream(self, ns: str, selector: Selector, cursor: int, deadline: float,
-                breaks: int, expires: int) -> None:
+    def _stream(
+        self, ns: str, selector: Selector, cursor: int, deadline: float, breaks: int, expires: int
+    ) -> None:
         k = self.kube
         while True:
             with k._cond:
-                while (k._nothing_after(cursor) and k._break_gen == breaks
-                       and k._expire_gen == expires and time.monotonic() < deadline):
+                while (
+                    k._nothing_after(cursor)
+                    and k._break_gen == breaks
+                    and k._expire_gen == expires
+                    and time.monotonic() < deadline
+                ):
                     k._cond.wait(max(0.0, deadline - time.monotonic()))
                 pending = [h for h in k._history if h[0] > cursor]
                 cursor = max([cursor] + [h[0] for h in pending])
                 broken, expired = k._break_gen != breaks, k._expire_gen != expires
             if broken:  # drop the connection without the terminating chunk
-                self.wfile.write(b"5\r\n{\"ty")
+                self.wfile.write(b'5\r\n{"ty')
                 self.wfile.flush()
                 return
             for _, kind, old, new in pending:
@@ -344,8 +412,14 @@ class _Handler(BaseHTTPRequestHandler):
                 if event is not None:
                     self._chunk(event)
             if expired:
-                self._chunk({"type": "ERROR", "object": _status(
-                    410, "Expired", "The resourceVersion for the provided watch is too old.")})
+                self._chunk(
+                    {
+                        "type": "ERROR",
+                        "object": _status(
+                            410, "Expired", "The resourceVersion for the provided watch is too old."
+                        ),
+                    }
+                )
                 return self._end()
             if time.monotonic() >= deadline:
                 return self._end()
@@ -355,8 +429,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def _event(ns: str, selector: Selector, kind: str, old: dict[str, Any] | None,
-           new: dict[str, Any] | None) -> dict[str, Any] | None:
+def _event(
+    ns: str, selector: Selector, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """The event a selector-filtered watch sees for one change (None: not visible)."""
     obj = new if new is not None else old
     assert obj is not None

@@ -107,8 +107,14 @@ class FakeMaster:
         route, _, query = path.partition("?")
         self.calls[route] += 1
         if self.fault == "503":
-            return 503, "application/json", (b'{"success":false,"error_code":-1011,'
-                                              b'"error_message":"service plane is not active"}')
+            return (
+                503,
+                "application/json",
+                (
+                    b'{"success":false,"error_code":-1011,'
+                    b'"error_message":"service plane is not active"}'
+                ),
+            )
         if self.fault == "garbage":
             return 200, "text/html", b"<html><body>502 Bad Gateway</body></html>"
         if self.fault == "binary" and route == "/get_all_keys":
@@ -122,8 +128,11 @@ class FakeMaster:
         if route == "/get_all_keys":
             return 200, "text/plain; version=0.0.4", self.all_keys_body()
         if route == "/get_all_segments":
-            return 200, "text/plain; version=0.0.4", "".join(
-                s + "\n" for s in self.segments).encode()
+            return (
+                200,
+                "text/plain; version=0.0.4",
+                "".join(s + "\n" for s in self.segments).encode(),
+            )
         if route == "/get_segments_detail" and self.version >= (0, 3, 12):
             return 200, "application/json; charset=utf-8", self._detail()
         if route == "/batch_query_keys" and self.version >= (0, 3, 9):
@@ -133,16 +142,25 @@ class FakeMaster:
         return 404, "", b"404 Not Found"
 
     def _detail(self) -> bytes:
-        segs = [{"segment_name": name, "te_endpoint": ep, "status": "OK", "protocol": "tcp"}
-                for name, ep in self.segments.items()]
+        segs = [
+            {"segment_name": name, "te_endpoint": ep, "status": "OK", "protocol": "tcp"}
+            for name, ep in self.segments.items()
+        ]
         return orjson.dumps({"total_segments": len(segs), "segments": segs})
 
     def _replicas(self, key: str) -> list[dict[str, Any]] | None:
         eps = self.keys.get(key)
         if eps is None:
             return None
-        return [{"size_": 4096, "buffer_address_": 140000000000000 + i, "protocol_": "tcp",
-                 "transport_endpoint_": ep} for i, ep in enumerate(eps)]
+        return [
+            {
+                "size_": 4096,
+                "buffer_address_": 140000000000000 + i,
+                "protocol_": "tcp",
+                "transport_endpoint_": ep,
+            }
+            for i, ep in enumerate(eps)
+        ]
 
     def _batch(self, raw: str) -> tuple[int, str, bytes]:
         if not raw:
@@ -153,26 +171,32 @@ class FakeMaster:
         for key in raw.split(","):
             reps = self._replicas(key)
             entry: dict[str, Any] = (
-                {"ok": True, "values": reps} if reps is not None
-                else {"ok": False, "error": "OBJECT_NOT_FOUND"})
+                {"ok": True, "values": reps}
+                if reps is not None
+                else {"ok": False, "error": "OBJECT_NOT_FOUND"}
+            )
             if new:
                 entry = {"error": None, "values": None, **entry, **nulls}
             data[key] = entry
-        return 200, "application/json; charset=utf-8", orjson.dumps(
-            {"success": True, "data": data})
+        return 200, "application/json; charset=utf-8", orjson.dumps({"success": True, "data": data})
 
     def _query_key(self, key: str) -> tuple[int, str, bytes]:
         reps = self._replicas(key)
         if self.version >= (0, 3, 12):
             if reps is None:
-                return 404, "application/json; charset=utf-8", (
-                    b'{"success":false,"error_code":-704,"error_message":"OBJECT_NOT_FOUND"}')
-            return 200, "application/json; charset=utf-8", orjson.dumps(
-                {"success": True, "data": reps})
+                return (
+                    404,
+                    "application/json; charset=utf-8",
+                    (b'{"success":false,"error_code":-704,"error_message":"OBJECT_NOT_FOUND"}'),
+                )
+            return (
+                200,
+                "application/json; charset=utf-8",
+                orjson.dumps({"success": True, "data": reps}),
+            )
         if reps is None:
             return 404, "text/plain; version=0.0.4", b"OBJECT_NOT_FOUND"
-        return 200, "text/plain; version=0.0.4", b"".join(
-            orjson.dumps(r) + b"\n" for r in reps)
+        return 200, "text/plain; version=0.0.4", b"".join(orjson.dumps(r) + b"\n" for r in reps)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         master = self

@@ -32,15 +32,35 @@ def valkey_server() -> str | None:
 class Cluster:
     """``n`` masters (no replicas) made into one cluster with ``redis-cli --cluster create``."""
 
-    def __init__(self, n: int = 3, exe: str = "redis-server", cli: str = "redis-cli",
-                 extra: list[str] | None = None, ping: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        n: int = 3,
+        exe: str = "redis-server",
+        cli: str = "redis-cli",
+        extra: list[str] | None = None,
+        ping: dict[str, Any] | None = None,
+    ) -> None:
         self.cli = shutil.which(cli) or cli
         self.extra = extra or []
         # An explicit bus port: the default (port + 10000) can be out of range or taken.
-        self.nodes = [Node(exe, ["--cluster-enabled", "yes", "--cluster-config-file",
-                                 "nodes.conf", "--cluster-node-timeout", "2000",
-                                 "--cluster-port", str(reserve_port()), *self.extra],
-                           ping=ping) for _ in range(n)]
+        self.nodes = [
+            Node(
+                exe,
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    str(reserve_port()),
+                    *self.extra,
+                ],
+                ping=ping,
+            )
+            for _ in range(n)
+        ]
 
     @property
     def url(self) -> str:
@@ -50,9 +70,21 @@ class Cluster:
         for node in self.nodes:
             node.start()
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run([self.cli, *(cli_args or []), "--cluster", "create", *addrs,
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                self.cli,
+                *(cli_args or []),
+                "--cluster",
+                "create",
+                *addrs,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         self.wait_ok()
         return self
 
@@ -60,15 +92,20 @@ class Cluster:
         client = redis.Redis(port=node.port, socket_timeout=1, **node.ping_options)
         try:
             info = client.cluster("info")
-            return bool(info.get("cluster_state") == "ok"
-                        and int(info.get("cluster_slots_ok", 0)) == 16384
-                        and int(info.get("cluster_known_nodes", 0)) == len(self.nodes))
+            return bool(
+                info.get("cluster_state") == "ok"
+                and int(info.get("cluster_slots_ok", 0)) == 16384
+                and int(info.get("cluster_known_nodes", 0)) == len(self.nodes)
+            )
         finally:
             client.close()
 
     def wait_ok(self, timeout: float = 60) -> None:
-        wait_for(lambda: all(self._ok(n) for n in self.nodes), timeout=timeout,
-                 what="the cluster to be ok on every node")
+        wait_for(
+            lambda: all(self._ok(n) for n in self.nodes),
+            timeout=timeout,
+            what="the cluster to be ok on every node",
+        )
 
     def restart(self, i: int) -> None:
         """Stop node ``i`` and start it again on the same port and dir (it keeps its slots

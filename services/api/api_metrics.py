@@ -45,31 +45,43 @@ class ApiMetrics:
         if multiprocess_dir is not None and not metrics.multiprocess_enabled():
             raise RuntimeError(
                 f"prometheus_client was imported before {MULTIPROC_ENV} was set; "
-                "the workers' metrics could not be summed")
+                "the workers' metrics could not be summed"
+            )
         self.multiprocess_dir = None if multiprocess_dir is None else str(multiprocess_dir)
         self._render_all = metrics.render_multiprocess
         # Buffered in multiprocess mode: a request costs in-memory adds, not mmap writes.
         self.registry: Registry = metrics.Registry(buffered=self.multiprocess_dir is not None)
         r = self.registry
         self.requests: Counter = r.counter(
-            "cache_indexer_api_requests_total", "HTTP requests answered, by route and status.",
-            ("path", "status"))
+            "cache_indexer_api_requests_total",
+            "HTTP requests answered, by route and status.",
+            ("path", "status"),
+        )
         self.latency: Histogram = r.histogram(
-            "cache_indexer_api_request_duration_seconds", "Time to answer an HTTP request.",
-            ("path",), _LATENCY_BUCKETS)
+            "cache_indexer_api_request_duration_seconds",
+            "Time to answer an HTTP request.",
+            ("path",),
+            _LATENCY_BUCKETS,
+        )
         self.redis_errors: Counter = r.counter(
-            "cache_indexer_api_redis_errors_total", "Redis calls that failed, by operation.",
-            ("op",))
+            "cache_indexer_api_redis_errors_total",
+            "Redis calls that failed, by operation.",
+            ("op",),
+        )
         self.hashed_blocks: Counter = r.counter(
-            "cache_indexer_api_hashed_blocks_total", "Prompt blocks hashed for hit-rate requests.")
+            "cache_indexer_api_hashed_blocks_total", "Prompt blocks hashed for hit-rate requests."
+        )
         self.inexact: Counter = r.counter(
             "cache_indexer_api_inexact_answers_total",
             "Hit ratios that are only a lower bound of what vLLM reuses, by tier and reason "
-            "(one per candidate and tier).", ("tier", "reason"))
+            "(one per candidate and tier).",
+            ("tier", "reason"),
+        )
         self.group_rereads: Counter = r.counter(
             "cache_indexer_api_group_rereads_total",
             "Candidates read a second time in one request because their KV-cache groups "
-            "changed since the worker last saw them.")
+            "changed since the worker last saw them.",
+        )
         if self.registry.buffers is not None:
             self.registry.buffers.start()
 

@@ -58,7 +58,8 @@ class _Ready:
             self.metrics.redis_errors.inc(op="readyz")
             resp.status = falcon.HTTP_503
             resp.data = orjson.dumps(
-                {"status": "unavailable", "reason": f"the state store is unreachable: {exc}"})
+                {"status": "unavailable", "reason": f"the state store is unreachable: {exc}"}
+            )
             return
         resp.data = orjson.dumps({"status": "ok"})
 
@@ -82,8 +83,9 @@ class _RequestMetrics:
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.started = time.perf_counter()
 
-    def process_response(self, req: falcon.Request, resp: falcon.Response,
-                         resource: object, req_succeeded: bool) -> None:
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: object, req_succeeded: bool
+    ) -> None:
         path = req.uri_template if resource is not None and req.uri_template else "unmatched"
         elapsed = time.perf_counter() - float(req.context.started)
         self.metrics.requests.inc(path=path, status=str(resp.status_code))
@@ -94,20 +96,21 @@ class _ServedBy:
     """Middleware: ``X-Served-By: <worker pid>`` on every answer, so an operator (or a test)
     can see that every gunicorn worker of a replica serves and which one answered."""
 
-    def process_response(self, req: falcon.Request, resp: falcon.Response,
-                         resource: object, req_succeeded: bool) -> None:
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: object, req_succeeded: bool
+    ) -> None:
         resp.set_header("X-Served-By", str(os.getpid()))
 
 
-def _request_error(req: falcon.Request, resp: falcon.Response, exc: RequestError,
-                   _params: dict[str, Any]) -> None:
+def _request_error(
+    req: falcon.Request, resp: falcon.Response, exc: RequestError, _params: dict[str, Any]
+) -> None:
     resp.status = exc.status
     resp.content_type = falcon.MEDIA_JSON
     resp.data = hit_rate.error_body(req.path, exc.status, exc.message)
 
 
-def _http_error_message(req: falcon.Request, resp: falcon.Response,
-                        exc: falcon.HTTPError) -> str:
+def _http_error_message(req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError) -> str:
     if isinstance(exc, falcon.HTTPMethodNotAllowed):  # Falcon has already set Allow on resp
         allowed = resp.get_header("Allow") or ""
         return f"method {req.method} is not allowed on {req.path}; allowed: {allowed}"
@@ -118,30 +121,42 @@ def _http_error_message(req: falcon.Request, resp: falcon.Response,
     return str(exc.title)
 
 
-def _serialize_http_error(req: falcon.Request, resp: falcon.Response,
-                          exc: falcon.HTTPError) -> None:
+def _serialize_http_error(
+    req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError
+) -> None:
     resp.content_type = falcon.MEDIA_JSON
     resp.data = hit_rate.error_body(req.path, exc.status_code, _http_error_message(req, resp, exc))
 
 
-def _unexpected_error(req: falcon.Request, resp: falcon.Response, exc: Exception,
-                      _params: dict[str, Any]) -> None:
+def _unexpected_error(
+    req: falcon.Request, resp: falcon.Response, exc: Exception, _params: dict[str, Any]
+) -> None:
     # Falcon picks the most specific handler, so its own HTTPErrors never come here.
     logger.exception("unexpected error answering %s %s", req.method, req.path)
     resp.status = 500
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = hit_rate.error_body(req.path, 500,
-                                    "the request could not be processed: internal error")
+    resp.data = hit_rate.error_body(
+        req.path, 500, "the request could not be processed: internal error"
+    )
 
 
-def create_app(settings: ApiSettings, store: Store, hasher: hit_rate.Hasher,
-               metrics: ApiMetrics) -> App:
+def create_app(
+    settings: ApiSettings, store: Store, hasher: hit_rate.Hasher, metrics: ApiMetrics
+) -> App:
     """The WSGI app over injected dependencies."""
     middleware: list[Any] = [_RequestMetrics(metrics), _ServedBy(), hit_rate.PostOnly()]
     app: App = falcon.App(middleware=middleware)
-    app.add_route(hit_rate.PATH, hit_rate.HitRateResource(
-        store, hasher, metrics, settings.max_hit_rate_body_bytes, settings.max_candidates,
-        settings.hash.vllm_version))
+    app.add_route(
+        hit_rate.PATH,
+        hit_rate.HitRateResource(
+            store,
+            hasher,
+            metrics,
+            settings.max_hit_rate_body_bytes,
+            settings.max_candidates,
+            settings.hash.vllm_version,
+        ),
+    )
     reader = StatusReader(store.r)
     limits = settings.instance_limits
     app.add_route(instances.PATH, instances.InstancesResource(reader, limits, metrics))

@@ -28,30 +28,44 @@ class Limits:
         return BUDGET_BODIES * self.body_cap
 
     @classmethod
-    def from_go(cls, read_header: float, read: float, write: float, idle: float,
-                body_cap: int) -> Limits:
+    def from_go(
+        cls, read_header: float, read: float, write: float, idle: float, body_cap: int
+    ) -> Limits:
         """Go's rules for zero: no read timeout; header and idle fall back to ``read``."""
+
         def none_if_zero(value: float) -> float:
             return value if value > 0 else math.inf
-        return cls(none_if_zero(read_header or read), none_if_zero(read),
-                   none_if_zero(write), none_if_zero(idle or read), body_cap)
+
+        return cls(
+            none_if_zero(read_header or read),
+            none_if_zero(read),
+            none_if_zero(write),
+            none_if_zero(idle or read),
+            body_cap,
+        )
 
 
 def timeout_response(path: str, headers_done: bool) -> bytes:
     """The 408 for a request that did not arrive in time."""
-    message = ("the request was not received within http.readTimeout" if headers_done
-               else "the request headers were not received within http.readHeaderTimeout")
+    message = (
+        "the request was not received within http.readTimeout"
+        if headers_done
+        else "the request headers were not received within http.readHeaderTimeout"
+    )
     return _response(path, 408, "Request Timeout", message)
 
 
 def busy_response(path: str) -> bytes:
     """The 503 for a request dropped because too many unfinished requests are buffered."""
-    return _response(path, 503, "Service Unavailable",
-                     "too many unfinished requests are being received; retry")
+    return _response(
+        path, 503, "Service Unavailable", "too many unfinished requests are being received; retry"
+    )
 
 
 def _response(path: str, status: int, reason: str, message: str) -> bytes:
     body = hit_rate.error_body(path, status, message)
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
     return head.encode() + body

@@ -57,8 +57,9 @@ def bind_address(addr: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def gunicorn_settings(http: ApiSettings, workers: int | None = None,
-                      bind: str | None = None) -> dict[str, Any]:
+def gunicorn_settings(
+    http: ApiSettings, workers: int | None = None, bind: str | None = None
+) -> dict[str, Any]:
     """Every gunicorn setting the API uses (see the module docstring for the mapping)."""
     line = min(http.max_header_bytes, GUNICORN_MAX_LINE)
     return {
@@ -86,8 +87,13 @@ def gunicorn_settings(http: ApiSettings, workers: int | None = None,
 
 def worker_class(http: ApiSettings) -> type[DeadlineWorker]:
     """:class:`DeadlineWorker` carrying these limits (a class: gunicorn builds it)."""
-    limits = Limits.from_go(http.read_header_timeout, http.read_timeout, http.write_timeout,
-                            http.idle_timeout, http.max_hit_rate_body_bytes)
+    limits = Limits.from_go(
+        http.read_header_timeout,
+        http.read_timeout,
+        http.write_timeout,
+        http.idle_timeout,
+        http.max_hit_rate_body_bytes,
+    )
     return type("ApiWorker", (DeadlineWorker,), {"limits": limits})
 
 

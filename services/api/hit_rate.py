@@ -53,8 +53,9 @@ UNREACHABLE = "the hit rate could not be computed: the state store is unreachabl
 class Hasher(Protocol):
     """What the API needs of :class:`common.blockhash.BlockHasher`."""
 
-    def member_keys(self, token_ids: Sequence[int], block_size: int,
-                    cache_salt: str | None = None) -> list[bytes]: ...
+    def member_keys(
+        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+    ) -> list[bytes]: ...
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,10 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
         if not isinstance(ip, str):
             raise _bad(f"server_ip[{i}] must be a string, got {_kind(ip)}")
     if len(ips) > max_candidates and len(set(ips)) > max_candidates:
-        raise _bad(f"server_ip names {len(set(ips))} distinct instances, more than the limit "
-                   f"of {max_candidates} (http.maxCandidates)")
+        raise _bad(
+            f"server_ip names {len(set(ips))} distinct instances, more than the limit "
+            f"of {max_candidates} (http.maxCandidates)"
+        )
     body = _fields(top["body"], "body.", _BODY_FIELDS, _BODY_REQUIRED)
     block_size = body["block_size"]
     if type(block_size) is not int:
@@ -129,13 +132,16 @@ def _check_lookups(request: HitRateRequest, max_candidates: int) -> None:
     if blocks * len(request.server_ips) > limit:  # cheap bound first: duplicates cost nothing
         distinct = len(set(request.server_ips))
         if blocks * distinct > limit:
-            raise _bad(f"the request needs {blocks * distinct} block look-ups per tier "
-                       f"({distinct} instances × {blocks} blocks), more than the limit of "
-                       f"{limit} (http.maxCandidates × {LOOKUPS_PER_CANDIDATE})")
+            raise _bad(
+                f"the request needs {blocks * distinct} block look-ups per tier "
+                f"({distinct} instances × {blocks} blocks), more than the limit of "
+                f"{limit} (http.maxCandidates × {LOOKUPS_PER_CANDIDATE})"
+            )
 
 
-def _fields(doc: Any, prefix: str, allowed: tuple[str, ...],
-            required: tuple[str, ...]) -> dict[str, Any]:
+def _fields(
+    doc: Any, prefix: str, allowed: tuple[str, ...], required: tuple[str, ...]
+) -> dict[str, Any]:
     where = prefix.rstrip(".") or "the request body"
     if not isinstance(doc, dict):
         raise _bad(f"{where} must be a JSON object, got {_kind(doc)}")
@@ -187,8 +193,15 @@ def _plain_ints(ids: list[Any], raw: bytes) -> array[int] | None:
 
 
 def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-             int: "an integer", float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -196,9 +209,16 @@ def _bad(message: str) -> RequestError:
     return RequestError(400, message)
 
 
-def score(request: HitRateRequest, store: Store, hasher: Hasher, metrics: ApiMetrics,
-          views: ViewCache | None = None, *, detail: bool = False,
-          vllm_version: tuple[int, ...] = (0, 28, 0)) -> list[dict[str, Any]]:
+def score(
+    request: HitRateRequest,
+    store: Store,
+    hasher: Hasher,
+    metrics: ApiMetrics,
+    views: ViewCache | None = None,
+    *,
+    detail: bool = False,
+    vllm_version: tuple[int, ...] = (0, 28, 0),
+) -> list[dict[str, Any]]:
     """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
 
@@ -225,8 +245,13 @@ def score(request: HitRateRequest, store: Store, hasher: Hasher, metrics: ApiMet
         hits = {ip: (Hit(0, 0.0), Hit(0, 0.0)) for ip in distinct}
     else:
         try:
-            hits = _read_hits(distinct, Scorer(n_tokens, request.block_size, chain, store), views,
-                              vllm_version, metrics)
+            hits = _read_hits(
+                distinct,
+                Scorer(n_tokens, request.block_size, chain, store),
+                views,
+                vllm_version,
+                metrics,
+            )
         except redis.RedisError as exc:
             metrics.redis_errors.inc(op="hit_rate")
             logger.warning("hit rate: Redis failed: %s", exc)
@@ -238,8 +263,13 @@ def score(request: HitRateRequest, store: Store, hasher: Hasher, metrics: ApiMet
     return [_answer(ip, *hits[ip], detail) for ip in request.server_ips]
 
 
-def _read_hits(ips: list[str], scorer: Scorer, views: ViewCache,
-               vllm_version: tuple[int, ...], metrics: ApiMetrics) -> dict[str, tuple[Hit, Hit]]:
+def _read_hits(
+    ips: list[str],
+    scorer: Scorer,
+    views: ViewCache,
+    vllm_version: tuple[int, ...],
+    metrics: ApiMetrics,
+) -> dict[str, tuple[Hit, Hit]]:
     """Round trip 1 with every candidate's cached view; a second for the changed ones."""
     old = {ip: views.get(ip) for ip in ips}
     slots = {ip: scorer.queue(ip, old[ip]) for ip in ips}
@@ -288,9 +318,15 @@ def error_body(path: str, status: int, message: str) -> bytes:
 class HitRateResource:
     """``/kv-cache/hit-rate``; other methods are refused by :class:`PostOnly`."""
 
-    def __init__(self, store: Store, hasher: Hasher, metrics: ApiMetrics, body_limit: int,
-                 max_candidates: int = DEFAULT_MAX_CANDIDATES,
-                 vllm_version: tuple[int, ...] = (0, 28, 0)) -> None:
+    def __init__(
+        self,
+        store: Store,
+        hasher: Hasher,
+        metrics: ApiMetrics,
+        body_limit: int,
+        max_candidates: int = DEFAULT_MAX_CANDIDATES,
+        vllm_version: tuple[int, ...] = (0, 28, 0),
+    ) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
         self.body_limit, self.max_candidates = body_limit, max_candidates
         self.vllm_version = vllm_version
@@ -299,8 +335,15 @@ class HitRateResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_request(read_body(req, self.body_limit), self.max_candidates)
         detail = req.get_param_as_bool("detail", default=False)
-        scores = score(request, self.store, self.hasher, self.metrics, self.views,
-                       detail=bool(detail), vllm_version=self.vllm_version)
+        scores = score(
+            request,
+            self.store,
+            self.hasher,
+            self.metrics,
+            self.views,
+            detail=bool(detail),
+            vllm_version=self.vllm_version,
+        )
         resp.content_type = falcon.MEDIA_JSON
         resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})
 
@@ -311,7 +354,8 @@ class PostOnly:
     Falcon alone would answer OPTIONS itself (200) and call a non-standard method a 400.
     """
 
-    def process_resource(self, req: falcon.Request, resp: falcon.Response,
-                         resource: object, params: dict[str, Any]) -> None:
+    def process_resource(
+        self, req: falcon.Request, resp: falcon.Response, resource: object, params: dict[str, Any]
+    ) -> None:
         if req.uri_template == PATH and req.method != "POST":
             raise falcon.HTTPMethodNotAllowed(["POST"])

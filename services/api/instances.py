@@ -62,17 +62,26 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
         metrics.redis_errors.inc(op="metrics")
         logger.warning("cannot read the instances' status for /metrics: %s", exc)
         return ""
-    state = GaugeMetricFamily("cache_indexer_instance_l1_state",
-                              "1 for the instance's current L1 state (see GET /kv-cache/instances)",
-                              labels=("server_ip", "state"))
-    check = GaugeMetricFamily("cache_indexer_instance_l1_hash_check",
-                              "1 for the instance's block-hash self-check result",
-                              labels=("server_ip", "result"))
-    blocks = GaugeMetricFamily("cache_indexer_instance_blocks",
-                               "blocks indexed per instance and tier", labels=("server_ip", "tier"))
-    age = GaugeMetricFamily("cache_indexer_instance_l1_last_event_age_seconds",
-                            "seconds since the instance's last KV-event batch arrived",
-                            labels=("server_ip",))
+    state = GaugeMetricFamily(
+        "cache_indexer_instance_l1_state",
+        "1 for the instance's current L1 state (see GET /kv-cache/instances)",
+        labels=("server_ip", "state"),
+    )
+    check = GaugeMetricFamily(
+        "cache_indexer_instance_l1_hash_check",
+        "1 for the instance's block-hash self-check result",
+        labels=("server_ip", "result"),
+    )
+    blocks = GaugeMetricFamily(
+        "cache_indexer_instance_blocks",
+        "blocks indexed per instance and tier",
+        labels=("server_ip", "tier"),
+    )
+    age = GaugeMetricFamily(
+        "cache_indexer_instance_l1_last_event_age_seconds",
+        "seconds since the instance's last KV-event batch arrived",
+        labels=("server_ip",),
+    )
     for inst in report["instances"]:
         ip, l1 = inst["server_ip"], inst["l1"]
         for st in STATES:
@@ -103,16 +112,24 @@ class _Families:
 def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
     from prometheus_client.core import GaugeMetricFamily
 
-    keys = GaugeMetricFamily("cache_indexer_master_keys", "keys in the master's last listing",
-                             labels=("url",))
+    keys = GaugeMetricFamily(
+        "cache_indexer_master_keys", "keys in the master's last listing", labels=("url",)
+    )
     unparsed = GaugeMetricFamily(
         "cache_indexer_master_keys_unparsed",
-        "keys of the master's last listing that parse as no known family", labels=("url",))
-    age = GaugeMetricFamily("cache_indexer_master_poll_age_seconds",
-                            "seconds since the master was last polled successfully",
-                            labels=("url",))
-    stale = GaugeMetricFamily("cache_indexer_master_stale", "1 when the master's blocks were "
-                              "dropped as stale (ingest.l3.staleAfter)", labels=("url",))
+        "keys of the master's last listing that parse as no known family",
+        labels=("url",),
+    )
+    age = GaugeMetricFamily(
+        "cache_indexer_master_poll_age_seconds",
+        "seconds since the master was last polled successfully",
+        labels=("url",),
+    )
+    stale = GaugeMetricFamily(
+        "cache_indexer_master_stale",
+        "1 when the master's blocks were dropped as stale (ingest.l3.staleAfter)",
+        labels=("url",),
+    )
     for m in masters:
         url = m["url"]
         if m["keys"] is not None:

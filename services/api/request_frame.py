@@ -52,7 +52,7 @@ class RequestFrame:
 
     def _find_headers(self, buf: bytes | bytearray) -> bool:
         start = 0
-        while buf[start:start + 2] == _CRLF:  # empty lines before a request are ignored
+        while buf[start : start + 2] == _CRLF:  # empty lines before a request are ignored
             start += 2
         end = buf.find(_END, start)
         if end < 0:
@@ -105,7 +105,7 @@ class RequestFrame:
                     self.complete = True
                 return
             try:
-                size = int(bytes(buf[self._pos:eol]).split(b";", 1)[0].strip(), 16)
+                size = int(bytes(buf[self._pos : eol]).split(b";", 1)[0].strip(), 16)
             except ValueError:
                 self.complete = True
                 return
@@ -122,7 +122,7 @@ class RequestFrame:
             self._pos = eol + 2 + size + 2
 
     def _scan_trailers(self, buf: bytes | bytearray, start: int) -> None:
-        if buf[start:start + 2] == _CRLF:
+        if buf[start : start + 2] == _CRLF:
             self.complete = True
         elif buf.find(_END, start) >= 0 or len(buf) - start > self.header_cap:
             self.complete = True

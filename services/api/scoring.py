@@ -65,8 +65,9 @@ def raw_of(fields: dict[str, str], l3_groups: str | None) -> tuple[Any, str]:
     return tuple(sorted(fields.items())), l3_groups or "0"
 
 
-def parse_view(fields: dict[str, str], l3_groups: str | None,
-               vllm_version: tuple[int, ...]) -> View:
+def parse_view(
+    fields: dict[str, str], l3_groups: str | None, vllm_version: tuple[int, ...]
+) -> View:
     """The view of an instance from its descriptor hash and its l3 ``groups`` field."""
     raw = raw_of(fields, l3_groups)
     l3_ids = tuple(sorted({int(g) for g in raw[1].split(",") if g.isdigit()})) or (0,)
@@ -74,18 +75,24 @@ def parse_view(fields: dict[str, str], l3_groups: str | None,
     if not groups.hybrid:
         if l3_ids == (0,):
             return View(raw, block_size=groups.hash_unit)
-        return View(raw, block_size=groups.hash_unit, l3_groups=(),
-                    l3_reasons=(L3_GROUPS_UNKNOWN,))
+        return View(raw, block_size=groups.hash_unit, l3_groups=(), l3_reasons=(L3_GROUPS_UNKNOWN,))
     if groups.rule is None:
-        return View(raw, l1_groups=(), l3_groups=(), reasons=groups.reasons,
-                    l3_reasons=groups.reasons)
+        return View(
+            raw, l1_groups=(), l3_groups=(), reasons=groups.reasons, l3_reasons=groups.reasons
+        )
     ids = groups.ids
     l3_read, l3_reasons = ids, groups.reasons
     if not set(l3_ids) <= set(ids):
         l3_read, l3_reasons = (), (L3_GROUPS_UNKNOWN,)
-    return View(raw, l1_groups=ids, l3_groups=l3_read, rule=groups.rule,
-                reasons=groups.reasons, l3_reasons=l3_reasons,
-                check_unit=not groups.unit_from_config)
+    return View(
+        raw,
+        l1_groups=ids,
+        l3_groups=l3_read,
+        rule=groups.rule,
+        reasons=groups.reasons,
+        l3_reasons=l3_reasons,
+        check_unit=not groups.unit_from_config,
+    )
 
 
 class ViewCache:
@@ -128,8 +135,9 @@ class Slots:
 class Scorer:
     """The hits of every candidate of one request (see the module docstring)."""
 
-    def __init__(self, num_tokens: int, block_size: int, chain: Chain,
-                 store: Store | None = None) -> None:
+    def __init__(
+        self, num_tokens: int, block_size: int, chain: Chain, store: Store | None = None
+    ) -> None:
         self.num_tokens, self.block_size, self.chain = num_tokens, block_size, chain
         self.store = store
         self.n = num_tokens // block_size
@@ -147,9 +155,11 @@ class Scorer:
     def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Slots:
         """Queue the candidate's reads for ``view`` (and its descriptors, to check it)."""
         r = self.reads
-        slots = Slots(r.hgetall(keys.l1_groups(ip)) if descriptors else -1,
-                      r.hget(keys.l3_state(ip), "groups") if descriptors else -1,
-                      r.hget(keys.l1_state(ip), "hash_check") if view.check_unit else None)
+        slots = Slots(
+            r.hgetall(keys.l1_groups(ip)) if descriptors else -1,
+            r.hget(keys.l3_state(ip), "groups") if descriptors else -1,
+            r.hget(keys.l1_state(ip), "hash_check") if view.check_unit else None,
+        )
         if view.rule is None:
             if self.n:
                 blob = self._blob(self.block_size, range(self.n))
@@ -175,8 +185,11 @@ class Scorer:
         found = self._blobs.get(key)
         if found is None:
             members = self.chain(unit)
-            picked = members[: len(idx)] if isinstance(idx, range) and idx.start == 0 \
-                and idx.step == 1 else [members[i] for i in idx]
+            picked = (
+                members[: len(idx)]
+                if isinstance(idx, range) and idx.start == 0 and idx.step == 1
+                else [members[i] for i in idx]
+            )
             found = self._blobs[key] = self.reads.members(picked)
         return found
 
@@ -189,8 +202,14 @@ class Scorer:
         l3 = self._tier(view, slots.l3, replies, view.l3_reasons + extra, bool(view.l3_groups))
         return l1, l3
 
-    def _tier(self, view: View, slots: list[tuple[int, Sequence[int]]], replies: list[Any],
-              reasons: tuple[str, ...], readable: bool) -> Hit:
+    def _tier(
+        self,
+        view: View,
+        slots: list[tuple[int, Sequence[int]]],
+        replies: list[Any],
+        reasons: tuple[str, ...],
+        readable: bool,
+    ) -> Hit:
         n, size = self.n, self.block_size
         if not n or not readable or not slots:
             return Hit(0, 0.0, reasons)

@@ -65,8 +65,11 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
-        self.header_cap = (cfg.limit_request_line + 4
-                           + cfg.limit_request_fields * (cfg.limit_request_field_size + 2))
+        self.header_cap = (
+            cfg.limit_request_line
+            + 4
+            + cfg.limit_request_fields * (cfg.limit_request_field_size + 2)
+        )
         self._heap: list[tuple[float, int, Conn]] = []
         self._tokens = itertools.count(1)
         self._reading: set[Conn] = set()
@@ -158,9 +161,13 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         """Over the buffer budget: drop the unfinished requests holding the most bytes."""
         while self._buffered > self.limits.buffer_budget and self._reading:
             conn = max(self._reading, key=lambda c: len(c.buf))
-            logger.info("dropping an unfinished request of %d bytes from %s: %d bytes of "
-                        "unfinished requests are buffered", len(conn.buf), conn.client,
-                        self._buffered)
+            logger.info(
+                "dropping an unfinished request of %d bytes from %s: %d bytes of "
+                "unfinished requests are buffered",
+                len(conn.buf),
+                conn.client,
+                self._buffered,
+            )
             self._answer_and_close(conn, busy_response(conn.frame.path if conn.frame else ""))
 
     def _answer_and_close(self, conn: Conn, response: bytes) -> None:
@@ -253,6 +260,7 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
     def _register(self, conn: Conn, callback: Callable[[Conn], None]) -> None:
         def on_event(_fileobj: Any) -> None:
             callback(conn)
+
         if conn.registered:
             self.poller.modify(conn.sock, selectors.EVENT_READ, on_event)
         else:

@@ -53,8 +53,9 @@ _MIN_WATCH = 1.0
 """A watch that ends sooner than this (seconds) without an error is reopened after a backoff."""
 
 
-def connect(d: DiscoverySettings, env: Mapping[str, str],
-            sa_dir: Path = SERVICE_ACCOUNT_DIR) -> tuple[client.ApiClient, str]:
+def connect(
+    d: DiscoverySettings, env: Mapping[str, str], sa_dir: Path = SERVICE_ACCOUNT_DIR
+) -> tuple[client.ApiClient, str]:
     """An API client and the namespace to watch.
 
     ``discovery.kubeconfig``, else ``$KUBECONFIG`` (its first file), else in-cluster (service
@@ -69,13 +70,16 @@ def connect(d: DiscoverySettings, env: Mapping[str, str],
     try:
         if path:
             config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=path, client_configuration=conf, persist_config=False)
+                config_file=path, client_configuration=conf, persist_config=False
+            )
             _, context = config.list_kube_config_contexts(path)  # type: ignore[no-untyped-call]
             namespace = str((context or {}).get("context", {}).get("namespace") or "")
         else:
             loader: Any = config.incluster_config.InClusterConfigLoader(  # type: ignore[no-untyped-call]
-                token_filename=str(sa_dir / "token"), cert_filename=str(sa_dir / "ca.crt"),
-                environ=env)
+                token_filename=str(sa_dir / "token"),
+                cert_filename=str(sa_dir / "ca.crt"),
+                environ=env,
+            )
             loader.load_and_set(conf)
             namespace = _read_text(sa_dir / "namespace")
     except (ConfigException, OSError, ValueError, TypeError, yaml.YAMLError) as exc:
@@ -121,9 +125,17 @@ def error_kind(exc: BaseException) -> WatchError:
 class PodWatcher:
     """Keeps every pod matching one label selector, by UID, from list + watch."""
 
-    def __init__(self, name: str, api: client.CoreV1Api, namespace: str, selector: str,
-                 refresh: float, backoff: Backoff, metrics: DiscoveryMetrics,
-                 on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        api: client.CoreV1Api,
+        namespace: str,
+        selector: str,
+        refresh: float,
+        backoff: Backoff,
+        metrics: DiscoveryMetrics,
+        on_change: Callable[[], None],
+    ) -> None:
         self.name, self.selector = name, selector
         self._api, self._ns, self._refresh = api, namespace, max(refresh, 1.0)
         self._backoff, self._metrics, self._on_change = backoff, metrics, on_change
@@ -170,14 +182,20 @@ class PodWatcher:
             return
         if kind == "internal":
             logger.exception("pods %s: unexpected error", self.name)
-        self._state.set(f"failing: {kind}", f"{type(exc).__name__}: {_short(exc)}; "
-                        "keeping the last good pods", logging.WARNING)
+        self._state.set(
+            f"failing: {kind}",
+            f"{type(exc).__name__}: {_short(exc)}; keeping the last good pods",
+            logging.WARNING,
+        )
         self._closing.wait(self._backoff.next_delay())
 
     def _list(self) -> str:
         resp: Any = self._api.list_namespaced_pod(  # a urllib3 response (no preload)
-            self._ns, label_selector=self.selector, _preload_content=False,
-            _request_timeout=(CONNECT_TIMEOUT, LIST_READ_TIMEOUT))
+            self._ns,
+            label_selector=self.selector,
+            _preload_content=False,
+            _request_timeout=(CONNECT_TIMEOUT, LIST_READ_TIMEOUT),
+        )
         try:
             body = json.loads(resp.data)
         finally:
@@ -219,9 +237,14 @@ class PodWatcher:
     def _watch_once(self, rv: str, left: float) -> str:
         timeout = max(1, math.ceil(left))
         stream = self._watch.stream(
-            self._api.list_namespaced_pod, self._ns, label_selector=self.selector,
-            resource_version=rv, timeout_seconds=timeout, allow_watch_bookmarks=True,
-            _request_timeout=(CONNECT_TIMEOUT, timeout + 5))
+            self._api.list_namespaced_pod,
+            self._ns,
+            label_selector=self.selector,
+            resource_version=rv,
+            timeout_seconds=timeout,
+            allow_watch_bookmarks=True,
+            _request_timeout=(CONNECT_TIMEOUT, timeout + 5),
+        )
         try:
             for event in stream:
                 rv = self._apply(event) or rv
@@ -263,16 +286,28 @@ def _short(exc: BaseException) -> str:
 class KubeSource:
     """The vLLM and Mooncake master pod caches of one namespace, as a :class:`Desired`."""
 
-    def __init__(self, api_client: client.ApiClient, namespace: str, d: DiscoverySettings,
-                 metrics: DiscoveryMetrics) -> None:
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        namespace: str,
+        d: DiscoverySettings,
+        metrics: DiscoveryMetrics,
+    ) -> None:
         self.changed = threading.Event()
         self._d = d
         api = client.CoreV1Api(api_client)
 
         def watcher(name: str, selector: str) -> PodWatcher:
-            return PodWatcher(name, api, namespace, selector, d.refresh_interval,
-                              Backoff(d.backoff_initial, d.backoff_max), metrics,
-                              self.changed.set)
+            return PodWatcher(
+                name,
+                api,
+                namespace,
+                selector,
+                d.refresh_interval,
+                Backoff(d.backoff_initial, d.backoff_max),
+                metrics,
+                self.changed.set,
+            )
 
         self.vllm = watcher("vllm", podrules.vllm_selector(self._d.labels))
         self.masters = watcher("masters", podrules.master_selector(self._d.labels))
@@ -283,10 +318,18 @@ class KubeSource:
 
     def desired(self) -> Desired:
         d = self._d
-        instances = (podrules.desired_instances(self.vllm.pods(), d.labels, d.vllm)
-                     if self.vllm.synced else None)
-        masters = (podrules.desired_masters(self.masters.pods(), d.labels, d.mooncake_master,
-                                            d.master_scheme) if self.masters.synced else None)
+        instances = (
+            podrules.desired_instances(self.vllm.pods(), d.labels, d.vllm)
+            if self.vllm.synced
+            else None
+        )
+        masters = (
+            podrules.desired_masters(
+                self.masters.pods(), d.labels, d.mooncake_master, d.master_scheme
+            )
+            if self.masters.synced
+            else None
+        )
         return Desired(instances=instances, masters=masters)
 
     def close(self) -> None:

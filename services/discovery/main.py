@@ -57,5 +57,4 @@ def _run(proc: shell.Process[DiscoverySettings]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return shell.run_worker(_PROG, __doc__.split("\n\n")[0], argv,
-                            translate=_settings, run=_run)
+    return shell.run_worker(_PROG, __doc__.split("\n\n")[0], argv, translate=_settings, run=_run)

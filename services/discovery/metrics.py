@@ -49,12 +49,15 @@ class DiscoveryMetrics:
             changes=registry.counter(
                 p + "registry_changes_total",
                 "registry writes by action (added, replaced, restarted, updated, removed, masters)",
-                ["action"]),
+                ["action"],
+            ),
             relists=registry.counter(p + "relists_total", "successful pod list calls", ["source"]),
             watch_restarts=registry.counter(
-                p + "watch_restarts_total", "watch streams that broke or expired", ["source"]),
+                p + "watch_restarts_total", "watch streams that broke or expired", ["source"]
+            ),
             errors=registry.counter(p + "errors_total", "errors by kind", ["kind"]),
             lease_held=registry.gauge(p + "lease_held", "1 while this process holds the lease"),
-            reloads=registry.counter(p + "static_reloads_total", "static config reloads",
-                                     ["result"]),
+            reloads=registry.counter(
+                p + "static_reloads_total", "static config reloads", ["result"]
+            ),
         )

@@ -36,7 +36,8 @@ Pod = Mapping[str, Any]
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_KEY = re.compile(
-    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 
 
 def as_dict(pod: Any) -> dict[str, Any]:
@@ -52,8 +53,12 @@ def as_dict(pod: Any) -> dict[str, Any]:
 def label_problems(labels: Labels) -> list[str]:
     """Config problems that would make the API server reject our label selectors."""
     problems = []
-    for name, key in (("engineKey", labels.engine_key), ("pdRoleKey", labels.pd_role_key),
-                      ("kvManagerKey", labels.kv_manager_key), ("modelKey", labels.model_key)):
+    for name, key in (
+        ("engineKey", labels.engine_key),
+        ("pdRoleKey", labels.pd_role_key),
+        ("kvManagerKey", labels.kv_manager_key),
+        ("modelKey", labels.model_key),
+    ):
         required = name not in ("pdRoleKey", "modelKey")  # no role key = any role
         if (key or required) and not _LABEL_KEY.match(key):
             problems.append(f"discovery.labels.{name}: {key!r} is not a label key")
@@ -97,8 +102,10 @@ def is_serving(pod: Pod) -> bool:
         return False
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in status.get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
 
 
 def vllm_instance(pod: Pod, labels: Labels, vllm: DiscoveryVLLM) -> Instance | None:
@@ -109,17 +116,21 @@ def vllm_instance(pod: Pod, labels: Labels, vllm: DiscoveryVLLM) -> Instance | N
     container = _vllm_container(pod, vllm.zmq_port_name)
     replay_port = _port(pod, vllm.replay_port_name, vllm.replay_port)
     return Instance(
-        ip=ip, uid=str(meta.get("uid") or meta.get("name") or ip), pod=str(meta.get("name", "")),
+        ip=ip,
+        uid=str(meta.get("uid") or meta.get("name") or ip),
+        pod=str(meta.get("name", "")),
         zmq_endpoint=f"tcp://{host_port(ip, _port(pod, vllm.zmq_port_name, vllm.zmq_port))}",
         replay_endpoint=f"tcp://{host_port(ip, replay_port)}" if replay_port > 0 else "",
-        dp_size=vllm.data_parallel_size, role=_labels(pod).get(labels.pd_role_key, ""),
+        dp_size=vllm.data_parallel_size,
+        role=_labels(pod).get(labels.pd_role_key, ""),
         restarts=restart_token(pod, container),
         model=_labels(pod).get(labels.model_key, "") if labels.model_key else "",
     )
 
 
-def mooncake_master(pod: Pod, labels: Labels, mm: MooncakeMaster,
-                    scheme: str = "http") -> tuple[str, str] | None:
+def mooncake_master(
+    pod: Pod, labels: Labels, mm: MooncakeMaster, scheme: str = "http"
+) -> tuple[str, str] | None:
     """(master URL, JSON description) for a serving Mooncake master pod, else None."""
     if not is_master(pod, labels) or not is_serving(pod):
         return None
@@ -132,8 +143,9 @@ def master_json(pod: str, ip: str, rpc: int) -> str:
     return json.dumps({"ip": ip, "pod": pod, "rpc": rpc}, sort_keys=True, separators=(",", ":"))
 
 
-def desired_instances(pods: Iterable[Pod], labels: Labels,
-                      vllm: DiscoveryVLLM) -> dict[str, Instance]:
+def desired_instances(
+    pods: Iterable[Pod], labels: Labels, vllm: DiscoveryVLLM
+) -> dict[str, Instance]:
     """pod IP → Instance over every counted vLLM pod (IP clashes: newest pod wins)."""
     chosen: dict[str, tuple[tuple[float, str], Instance]] = {}
     for pod in pods:
@@ -146,8 +158,9 @@ def desired_instances(pods: Iterable[Pod], labels: Labels,
     return {ip: inst for ip, (_, inst) in chosen.items()}
 
 
-def desired_masters(pods: Iterable[Pod], labels: Labels, mm: MooncakeMaster,
-                    scheme: str = "http") -> dict[str, str]:
+def desired_masters(
+    pods: Iterable[Pod], labels: Labels, mm: MooncakeMaster, scheme: str = "http"
+) -> dict[str, str]:
     found = (mooncake_master(p, labels, mm, scheme) for p in pods)
     return dict(sorted(m for m in found if m is not None))
 

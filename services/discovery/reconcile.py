@@ -66,8 +66,9 @@ class LeaseLost(Exception):
 class Reconciler:
     """Holds the discovery lease and makes the registry equal to a :class:`Desired`."""
 
-    def __init__(self, store: Store, holder: str, lease_ttl: float,
-                 metrics: DiscoveryMetrics) -> None:
+    def __init__(
+        self, store: Store, holder: str, lease_ttl: float, metrics: DiscoveryMetrics
+    ) -> None:
         self.store, self.holder, self.metrics = store, holder, metrics
         self.ttl = max(lease_ttl, 0.3)
         self.renew_every = self.ttl / 3
@@ -129,8 +130,9 @@ class Reconciler:
             action, gen = self.store.upsert_instance(inst)
             if action is not RegistryChange.UNCHANGED:
                 self.metrics.changes.inc(action=action)
-                logger.info("instance %s %s (pod %s, uid %s, gen %d)",
-                            ip, action, inst.pod, inst.uid, gen)
+                logger.info(
+                    "instance %s %s (pod %s, uid %s, gen %d)", ip, action, inst.pod, inst.uid, gen
+                )
 
     def _sync_masters(self, want: dict[str, str]) -> None:
         have = self.store.list_masters()
@@ -139,8 +141,12 @@ class Reconciler:
         self._check()
         self.store.set_masters(want)
         self.metrics.changes.inc(action="masters")
-        logger.info("mooncake masters: %s (added %s, removed %s)", sorted(want),
-                    sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys()))
+        logger.info(
+            "mooncake masters: %s (added %s, removed %s)",
+            sorted(want),
+            sorted(want.keys() - have.keys()),
+            sorted(have.keys() - want.keys()),
+        )
 
     def release(self) -> None:
         """Give the lease up (on shutdown) so a standby takes over at its next claim."""
@@ -159,8 +165,13 @@ def _differs(cur: Instance | None, new: Instance) -> bool:
     return (cur.uid, cur.restarts, cur.meta_fields()) != (new.uid, new.restarts, new.meta_fields())
 
 
-def run(source: Source, reconciler: Reconciler, stop: threading.Event, backoff: Backoff,
-        health: Health | None = None) -> None:
+def run(
+    source: Source,
+    reconciler: Reconciler,
+    stop: threading.Event,
+    backoff: Backoff,
+    health: Health | None = None,
+) -> None:
     """Reconcile on every source change and every lease renewal until ``stop`` is set.
     Beats ``health`` once per pass; ready once a pass has reached Redis."""
     redis_log = StateLog(logger, "redis")

@@ -63,15 +63,23 @@ def desired_from(static: Static) -> Desired:
         if _unconnectable(where, e.zmq_endpoint, e.replay_endpoint):
             continue
         instances[ip] = Instance(
-            ip=ip, uid=static_uid(ip, e.zmq_endpoint, e.replay_endpoint), pod=e.name,
-            zmq_endpoint=e.zmq_endpoint, replay_endpoint=e.replay_endpoint,
-            dp_size=e.data_parallel_size, role=e.role, restarts="0", model=e.model)
+            ip=ip,
+            uid=static_uid(ip, e.zmq_endpoint, e.replay_endpoint),
+            pod=e.name,
+            zmq_endpoint=e.zmq_endpoint,
+            replay_endpoint=e.replay_endpoint,
+            dp_size=e.data_parallel_size,
+            role=e.role,
+            restarts="0",
+            model=e.model,
+        )
     masters: dict[str, str] = {}
     for i, m in enumerate(static.mooncake_masters):
         host = _host(m.url)
         if urlsplit(m.url).scheme not in ("http", "https") or not host:
-            problems.append(f"discovery.static.mooncakeMasters[{i}].url: {m.url!r} "
-                            "is not http(s)://host:port")
+            problems.append(
+                f"discovery.static.mooncakeMasters[{i}].url: {m.url!r} is not http(s)://host:port"
+            )
         masters[m.url] = master_json(m.name, host or "", 0)
     if problems:
         raise ConfigError("invalid static discovery: " + "; ".join(problems))
@@ -84,8 +92,9 @@ def _unconnectable(where: str, zmq_endpoint: str, replay_endpoint: str) -> bool:
     for field, endpoint in (("zmqEndpoint", zmq_endpoint), ("replayEndpoint", replay_endpoint)):
         problem = endpoint_problem(endpoint) if endpoint and "://" in endpoint else None
         if problem:
-            logger.error("static discovery: %s.%s %r %s; entry skipped", where, field, endpoint,
-                         problem)
+            logger.error(
+                "static discovery: %s.%s %r %s; entry skipped", where, field, endpoint, problem
+            )
             skip = True
     return skip
 
@@ -100,8 +109,13 @@ def _host(url: str) -> str | None:
 class StaticSource:
     """The static lists, reloaded from ``path`` (None: never reloaded) by a poller thread."""
 
-    def __init__(self, path: str | None, d: DiscoverySettings, metrics: DiscoveryMetrics,
-                 poll_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        d: DiscoverySettings,
+        metrics: DiscoveryMetrics,
+        poll_interval: float = 1.0,
+    ) -> None:
         self.changed = threading.Event()
         self._path, self._metrics, self._poll = path, metrics, poll_interval
         self._desired = desired_from(d.static)  # bad entries: exit 2 at startup
@@ -147,12 +161,17 @@ class StaticSource:
         try:
             d = DiscoverySettings.from_config(load_config(self._path))
             if d.mode != "static":
-                raise ConfigError(f"discovery.mode is {d.mode!r}, not 'static' "
-                                  "(changing the mode needs a restart)")
+                raise ConfigError(
+                    f"discovery.mode is {d.mode!r}, not 'static' "
+                    "(changing the mode needs a restart)"
+                )
             desired = desired_from(d.static)
         except ConfigError as exc:
-            logger.error("static discovery: %s changed but is invalid, keeping the last good "
-                         "lists: %s", self._path, exc)
+            logger.error(
+                "static discovery: %s changed but is invalid, keeping the last good lists: %s",
+                self._path,
+                exc,
+            )
             self._metrics.reloads.inc(result="invalid")
             self._metrics.errors.inc(kind="config")
             return False
@@ -161,8 +180,13 @@ class StaticSource:
         with self._lock:
             self._desired = desired
         self._metrics.reloads.inc(result="ok")
-        logger.info("static discovery reloaded from %s (%d bytes): %d instances, %d masters",
-                    self._path, len(data), len(desired.instances or {}), len(desired.masters or {}))
+        logger.info(
+            "static discovery reloaded from %s (%d bytes): %d instances, %d masters",
+            self._path,
+            len(data),
+            len(desired.instances or {}),
+            len(desired.masters or {}),
+        )
         self.changed.set()
         return True
 

@@ -119,8 +119,7 @@ def _plan_event(event: Event, plan: Plan) -> tuple[str, str]:
 
 def _describe(plan: Plan, group: int, event: BlockStored) -> None:
     """Record the group's descriptor once per batch and distinct descriptor."""
-    desc = (group, event.kv_cache_spec_kind, event.block_size,
-            event.kv_cache_spec_sliding_window)
+    desc = (group, event.kv_cache_spec_kind, event.block_size, event.kv_cache_spec_sliding_window)
     if desc not in plan.described:
         plan.described.add(desc)
         plan.ops.describe(*desc)
@@ -149,6 +148,7 @@ def _add(plan: Plan, op: str, tier: str, group: int, hashes: list[int]) -> None:
 
 
 # -- sequence tracking --------------------------------------------------------------------
+
 
 class Verdict(Enum):
     """What a live batch is, given the cursor (:func:`classify`)."""

@@ -79,8 +79,17 @@ candidate hashes: a few tens of ms; a found explanation is re-tried first, for o
 MISMATCH_HOLD = 60.0
 """Seconds the verdict stays ``mismatch`` after the last mismatching block: when only some
 blocks differ (salted prompts under the wrong extra-key rule) the status must not flicker."""
-SEEDS = ("0", DEFAULT_NONE_HASH_SEED, "", "1", "42", "random", "1234", "12345",
-         *(str(i) for i in range(2, 256)))  # fmt: skip
+SEEDS = (
+    "0",
+    DEFAULT_NONE_HASH_SEED,
+    "",
+    "1",
+    "42",
+    "random",
+    "1234",
+    "12345",
+    *(str(i) for i in range(2, 256)),
+)
 """Seeds tried on a mismatch besides the configured one: vLLM's default, the empty string,
 "random" and the small integers operators set (a few ms of hashing, once per change)."""
 
@@ -100,8 +109,10 @@ class Candidate:
         return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-_RULE_TEXT = {UNTAGGED: "untagged extra keys (vLLM 0.12-0.30)",
-              TAGGED: "tagged extra keys (vLLM >= 0.31)"}  # fmt: skip
+_RULE_TEXT = {
+    UNTAGGED: "untagged extra keys (vLLM 0.12-0.30)",
+    TAGGED: "tagged extra keys (vLLM >= 0.31)",
+}
 
 
 class Uncheckable(Exception):
@@ -123,8 +134,10 @@ def hash_side_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKe
         return [None if keys is None else _tuple(keys) for keys in event.extra_keys]
     if event.lora_name:
         raise Uncheckable("lora_path")
-    return [None if keys is None else _tagged(keys, i == 0 and at_root)
-            for i, keys in enumerate(event.extra_keys)]  # fmt: skip
+    return [
+        None if keys is None else _tagged(keys, i == 0 and at_root)
+        for i, keys in enumerate(event.extra_keys)
+    ]
 
 
 def _tuple(value: Any) -> Any:
@@ -161,9 +174,16 @@ def expected_candidate(settings: HashSettings) -> Candidate:
 class HashChecker:
     """The self-check of one instance (all its DP ranks); see the module docstring."""
 
-    def __init__(self, name: str, settings: HashSettings, rate: float, *,
-                 metrics: IngestMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic, hash_unit: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        settings: HashSettings,
+        rate: float,
+        *,
+        metrics: IngestMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        hash_unit: int = 0,
+    ) -> None:
         self.name, self.rate, self.metrics, self.clock = name, float(rate), metrics, clock
         self.configured_unit = hash_unit
         self.unit = hash_unit
@@ -210,7 +230,8 @@ class HashChecker:
             parent = _none_hash(self.expected.algo, self.expected.seed)
         else:  # the commonest case first: a parent never verified (costs no budget)
             found = self.verified.get(
-                parent_int if type(parent_int) is int else hash_to_int(parent_int))
+                parent_int if type(parent_int) is int else hash_to_int(parent_int)
+            )
             if found is None:
                 return
             parent = found
@@ -238,14 +259,19 @@ class HashChecker:
             self._skip("sparse_extra_keys")
             return
         try:
-            digests = chain_digests(self.expected.algo, parent, event.token_ids, unit,
-                                    [None] * (len(event.token_ids) // unit))
+            digests = chain_digests(
+                self.expected.algo,
+                parent,
+                event.token_ids,
+                unit,
+                [None] * (len(event.token_ids) // unit),
+            )
         except ValueError:
             self._skip("bad_tokens")
             return
         values = [to_event_int(d) for d in digests]
         step = size // unit
-        boundaries = iter(values[step - 1::step])
+        boundaries = iter(values[step - 1 :: step])
         published = [hash_to_int(h) for h in event.block_hashes]
         if not all(any(v == b for b in boundaries) for v in published):
             self._on_span_mismatch(event)
@@ -259,20 +285,28 @@ class HashChecker:
         self._mismatch_at = self.clock()
         if self.metrics is not None:
             self.metrics.hash_checks.inc(result=MISMATCH)
-        source = "ingest.l1.prefixMatchUnit" if self.configured_unit else "the GCD of the " \
+        source = (
+            "ingest.l1.prefixMatchUnit"
+            if self.configured_unit
+            else "the GCD of the "
             "block sizes seen (set ingest.l1.prefixMatchUnit to vLLM's --prefix-match-unit)"
-        self._set(MISMATCH, f"the hashes of KV-cache group {event.group_idx or 0} "
-                            f"({event.kv_cache_spec_kind or 'kind not sent'}, block "
-                            f"{event.block_size}) are not on the chain at hash unit "
-                            f"{self.unit} from {source}, with "
-                            f"{self.expected.describe(False)}")
+        )
+        self._set(
+            MISMATCH,
+            f"the hashes of KV-cache group {event.group_idx or 0} "
+            f"({event.kv_cache_spec_kind or 'kind not sent'}, block "
+            f"{event.block_size}) are not on the chain at hash unit "
+            f"{self.unit} from {source}, with "
+            f"{self.expected.describe(False)}",
+        )
 
     def _check(self, event: BlockStored, parent: bytes, k: int) -> None:
         at_root = event.parent_block_hash is None
         try:
             extras = hash_side_keys(event, self.expected.rule, at_root)[:k]
-            digests = chain_digests(self.expected.algo, parent, event.token_ids,
-                                    event.block_size, extras)  # fmt: skip
+            digests = chain_digests(
+                self.expected.algo, parent, event.token_ids, event.block_size, extras
+            )
         except Uncheckable as exc:
             self._skip(str(exc.args[0]))
             return
@@ -316,36 +350,44 @@ class HashChecker:
         unit = None if self.configured_unit else self._finer_unit(event, parent, index)
         hint = None if unit is not None else self._explain(event, parent, index)
         if unit is not None:
-            detail = (f"the engine hashes at a prefix-match unit of {unit} tokens (vLLM's "
-                      f"--prefix-match-unit), finer than the block size {event.block_size}: "
-                      f"set ingest.l1.prefixMatchUnit: {unit}")
+            detail = (
+                f"the engine hashes at a prefix-match unit of {unit} tokens (vLLM's "
+                f"--prefix-match-unit), finer than the block size {event.block_size}: "
+                f"set ingest.l1.prefixMatchUnit: {unit}"
+            )
         elif hint is not None:
             if hint != self.hint and self.metrics is not None:
-                self.metrics.hash_check_hints.inc(seed=hint.seed, algo=hint.algo,
-                                                  extra_keys=hint.rule)  # fmt: skip
+                self.metrics.hash_check_hints.inc(
+                    seed=hint.seed, algo=hint.algo, extra_keys=hint.rule
+                )
             self.hint = hint
-            detail = (f"the engine hashes with {hint.describe(keyed)}; the config says "
-                      f"{self._config_text(hint)}")  # fmt: skip
+            detail = (
+                f"the engine hashes with {hint.describe(keyed)}; the config says "
+                f"{self._config_text(hint)}"
+            )
         elif self.hint is not None and self.verdict == MISMATCH:
             detail = self.detail  # the last explanation still stands until a search says else
         else:
-            detail = ("no plausible setting reproduces the engine's hashes: PYTHONHASHSEED may "
-                      "be unset on a vLLM < 0.29 engine (random per process), or an unknown "
-                      f"seed is used; the config says {self.expected.describe(keyed)}")
+            detail = (
+                "no plausible setting reproduces the engine's hashes: PYTHONHASHSEED may "
+                "be unset on a vLLM < 0.29 engine (random per process), or an unknown "
+                f"seed is used; the config says {self.expected.describe(keyed)}"
+            )
         self._set(MISMATCH, detail)
 
     def _finer_unit(self, event: BlockStored, parent: bytes, index: int) -> int | None:
         """The largest unit below the block size at which block ``index``'s published value
         is the chain's value at its end, if any (a ``--prefix-match-unit`` not configured)."""
         size = event.block_size
-        tokens = event.token_ids[index * size:(index + 1) * size]
+        tokens = event.token_ids[index * size : (index + 1) * size]
         if len(tokens) != size or event.extra_keys or event.lora_name:
             return None
         want = hash_to_int(event.block_hashes[index])
         for unit in sorted((d for d in range(1, size) if size % d == 0), reverse=True)[:16]:
             try:
-                last = chain_digests(self.expected.algo, parent, tokens, unit,
-                                     [None] * (size // unit))[-1]
+                last = chain_digests(
+                    self.expected.algo, parent, tokens, unit, [None] * (size // unit)
+                )[-1]
             except ValueError:
                 return None
             if to_event_int(last) == want:
@@ -394,7 +436,7 @@ class HashChecker:
         size = event.block_size
         try:
             extras = hash_side_keys(event, cand.rule, at_root)
-            tokens = event.token_ids[index * size:(index + 1) * size]
+            tokens = event.token_ids[index * size : (index + 1) * size]
             (digest,) = chain_digests(cand.algo, parent, tokens, size, [extras[index]])
         except (Uncheckable, ValueError):
             return False

@@ -56,8 +56,9 @@ def _settings(cfg: Config, args: argparse.Namespace) -> _Setup:
     if not 0 <= shard < shards:
         raise ConfigError(f"--shard {shard} is not in [0, --shards {shards})")
     ingester_id = args.id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    return _Setup(l1, args.shards is not None or l1.shard_mode == "static", shard, shards,
-                  ingester_id)
+    return _Setup(
+        l1, args.shards is not None or l1.shard_mode == "static", shard, shards, ingester_id
+    )
 
 
 def _leave(assigner: Assigner) -> None:
@@ -71,23 +72,37 @@ def _run(proc: shell.Process[_Setup]) -> None:
     s, l1 = proc.settings, proc.settings.l1
     metrics = IngestMetrics(proc.registry)
     store = Store(proc.redis())
-    assigner: Assigner = (StaticAssigner(s.shard, s.shards) if s.static
-                          else LeaseAssigner(store, s.ingester_id, l1.lease_ttl))
+    assigner: Assigner = (
+        StaticAssigner(s.shard, s.shards)
+        if s.static
+        else LeaseAssigner(store, s.ingester_id, l1.lease_ttl)
+    )
     proc.on_exit(lambda: _leave(assigner))
     logging.getLogger(__name__).info(
-        "l1-ingest %s: %s", s.ingester_id,
-        f"static shard {s.shard}/{s.shards}" if s.static else f"lease mode, ttl {l1.lease_ttl}s")
-    subscriber = Subscriber(store, l1, metrics, owner=assigner.owner, health=proc.health,
-                            ingester=s.ingester_id)
+        "l1-ingest %s: %s",
+        s.ingester_id,
+        f"static shard {s.shard}/{s.shards}" if s.static else f"lease mode, ttl {l1.lease_ttl}s",
+    )
+    subscriber = Subscriber(
+        store, l1, metrics, owner=assigner.owner, health=proc.health, ingester=s.ingester_id
+    )
     thread = threading.Thread(target=subscriber.run, args=(proc.stop,), name="subscriber")
     thread.start()
     proc.on_exit(thread.join)
     proc.on_exit(proc.stop.set)  # runs first: the subscriber stops, then the leases go
     interval = 1.0 if s.static else min(1.0, l1.heartbeat_interval)
-    run_assignment(proc.stop, store, assigner, subscriber.set_instances, interval=interval,
-                   backoff=Backoff(l1.backoff_initial, l1.backoff_max), health=proc.health)
+    run_assignment(
+        proc.stop,
+        store,
+        assigner,
+        subscriber.set_instances,
+        interval=interval,
+        backoff=Backoff(l1.backoff_initial, l1.backoff_max),
+        health=proc.health,
+    )
 
 
 def main(argv: list[str]) -> int:
-    return shell.run_worker(_PROG, __doc__.split("\n")[0], argv, translate=_settings,
-                            run=_run, arguments=_arguments)
+    return shell.run_worker(
+        _PROG, __doc__.split("\n")[0], argv, translate=_settings, run=_run, arguments=_arguments
+    )

@@ -49,8 +49,9 @@ class ReplayRequest:
     Raises ``zmq.ZMQError`` (and leaks no socket) when ZMQ cannot connect to ``endpoint``.
     """
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int,
-                 timeout: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int, timeout: float
+    ) -> None:
         self.endpoint = endpoint
         self.start_seq = start_seq
         self.deadline = time.monotonic() + timeout
@@ -92,8 +93,9 @@ class ReplayRequest:
     def expired(self, now: float | None = None) -> bool:
         """True (and the request closed) once the deadline has passed without an end marker."""
         if not self.done and (now if now is not None else time.monotonic()) >= self.deadline:
-            logger.warning("replay from %s timed out after %d batches",
-                           self.endpoint, len(self.batches))
+            logger.warning(
+                "replay from %s timed out after %d batches", self.endpoint, len(self.batches)
+            )
             self.close()
             return True
         return False
@@ -104,8 +106,9 @@ class ReplayRequest:
             self.socket.close(linger=0)
 
 
-def fetch_replay(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int,
-                 timeout: float) -> ReplayRequest:
+def fetch_replay(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int, timeout: float
+) -> ReplayRequest:
     """Blocking form for tools and tests: run one request to its end marker or deadline."""
     request = ReplayRequest(ctx, endpoint, start_seq, timeout)
     poller = zmq.Poller()

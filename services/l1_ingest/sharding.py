@@ -127,9 +127,16 @@ class Assigner(Protocol):
     def leave(self) -> None: ...
 
 
-def run_assignment(stop: threading.Event, store: Store, assigner: Assigner,
-                   publish: Callable[[dict[str, Instance]], None], *, interval: float,
-                   backoff: Backoff, health: Health | None = None) -> None:
+def run_assignment(
+    stop: threading.Event,
+    store: Store,
+    assigner: Assigner,
+    publish: Callable[[dict[str, Instance]], None],
+    *,
+    interval: float,
+    backoff: Backoff,
+    health: Health | None = None,
+) -> None:
     """Every ``interval``: re-read the registry, decide this process's share, publish it.
     Beats ``health`` once per round; ready while the registry was last read."""
     health = health or Health()

@@ -50,8 +50,9 @@ def now_ms() -> int:
 class InstanceStatus:
     """The ingester-side status of one instance (one generation)."""
 
-    def __init__(self, inst: Instance, checker: HashChecker | None, why_unchecked: str = ""
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self, inst: Instance, checker: HashChecker | None, why_unchecked: str = ""
+    ) -> None:
         self.inst, self.checker = inst, checker
         self.why_unchecked = why_unchecked or "the hash self-check is off (hashCheckRate 0)"
         self.subscribed_ms = now_ms()
@@ -62,16 +63,20 @@ class InstanceStatus:
         self._last_event_ms: int | None = None
         self._acked = self._pending = (0, 0)  # (ok, mismatch) counted in Redis / in flight
 
-    def update(self, owner: str, ingester: str, conn: str, conn_detail: str,
-               replaying: bool) -> L1Status:
+    def update(
+        self, owner: str, ingester: str, conn: str, conn_detail: str, replaying: bool
+    ) -> L1Status:
         """The write for this round (counters as increments since the last write)."""
         stamp = now_ms()
         if self.batches != self._seen:
             self._seen, self._last_event_ms = self.batches, stamp
         fields = {
-            "ingester": ingester, "status_ms": str(stamp),
-            "subscribed_ms": str(self.subscribed_ms), "conn": conn,
-            "conn_detail": conn_detail, "replaying": "1" if replaying else "0",
+            "ingester": ingester,
+            "status_ms": str(stamp),
+            "subscribed_ms": str(self.subscribed_ms),
+            "conn": conn,
+            "conn_detail": conn_detail,
+            "replaying": "1" if replaying else "0",
         }
         if self._last_event_ms is not None:
             fields["last_event_ms"] = str(self._last_event_ms)
@@ -82,8 +87,10 @@ class InstanceStatus:
         else:
             fields.update(hash_check=checker.verdict, hash_check_detail=checker.detail)
             self._pending = (checker.ok, checker.mismatch)
-            incr = {"hash_check_ok": checker.ok - self._acked[0],
-                    "hash_check_mismatch": checker.mismatch - self._acked[1]}
+            incr = {
+                "hash_check_ok": checker.ok - self._acked[0],
+                "hash_check_mismatch": checker.mismatch - self._acked[1],
+            }
         return L1Status(self.inst.ip, self.inst.gen, owner, fields, incr)
 
     def acked(self) -> None:
@@ -111,8 +118,15 @@ class ConnRound:
 class StatusBoard:
     """The statuses of every wanted instance of one ingester, and their periodic write."""
 
-    def __init__(self, store: Store, cfg: L1IngestSettings, metrics: IngestMetrics, *,
-                 owner: str, ingester: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        cfg: L1IngestSettings,
+        metrics: IngestMetrics,
+        *,
+        owner: str,
+        ingester: str,
+    ) -> None:
         self.store, self.cfg, self.metrics, self.settings = store, cfg, metrics, cfg.hash
         self.owner, self.ingester = owner, ingester
         self.statuses: dict[str, InstanceStatus] = {}
@@ -126,16 +140,23 @@ class StatusBoard:
         return status
 
     def prune(self, wanted: dict[str, Instance]) -> None:
-        self.statuses = {ip: st for ip, st in self.statuses.items()
-                         if ip in wanted and st.inst.gen == wanted[ip].gen}  # fmt: skip
+        self.statuses = {
+            ip: st
+            for ip, st in self.statuses.items()
+            if ip in wanted and st.inst.gen == wanted[ip].gen
+        }
 
     def _new(self, inst: Instance) -> InstanceStatus:
         if self.cfg.hash_check_rate <= 0:
             return InstanceStatus(inst, None)
         try:
-            checker = HashChecker(inst.ip, self.settings, self.cfg.hash_check_rate,
-                                  metrics=self.metrics,
-                                  hash_unit=self.cfg.hybrid_settings(inst.model)[0])
+            checker = HashChecker(
+                inst.ip,
+                self.settings,
+                self.cfg.hash_check_rate,
+                metrics=self.metrics,
+                hash_unit=self.cfg.hybrid_settings(inst.model)[0],
+            )
         except ConfigError as exc:
             return InstanceStatus(inst, None, f"cannot check: {exc}")
         return InstanceStatus(inst, checker)
@@ -147,8 +168,9 @@ class StatusBoard:
         for r in rounds:
             status = self.of(r.inst)
             detail = r.detail if r.conn is not ConnState.RETRYING else status.retry_reason
-            pending.append((status, status.update(self.owner, self.ingester, r.conn, detail,
-                                                  r.replaying)))
+            pending.append(
+                (status, status.update(self.owner, self.ingester, r.conn, detail, r.replaying))
+            )
         try:
             written = self.store.write_l1_status([update for _, update in pending])
         except redis.RedisError as exc:

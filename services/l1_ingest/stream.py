@@ -80,11 +80,21 @@ def payload_digest(payload: bytes) -> bytes:
 class RankStream:
     """Sequence state and writes of one instance rank for one subscription session."""
 
-    def __init__(self, inst: Instance, rank: int, store: Store, ctx: zmq.Context[zmq.Socket[bytes]],
-                 *, owner: str, gap_policy: GapPolicy, replay_timeout: float,
-                 metrics: IngestMetrics, last_digest: tuple[int, bytes] | None = None,
-                 status: InstanceStatus | None = None,
-                 groups: GroupSettings | None = None) -> None:
+    def __init__(
+        self,
+        inst: Instance,
+        rank: int,
+        store: Store,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        *,
+        owner: str,
+        gap_policy: GapPolicy,
+        replay_timeout: float,
+        metrics: IngestMetrics,
+        last_digest: tuple[int, bytes] | None = None,
+        status: InstanceStatus | None = None,
+        groups: GroupSettings | None = None,
+    ) -> None:
         self.inst, self.rank, self.store, self.ctx = inst, rank, store, ctx
         self.groups = groups or GroupSettings(dp_size=max(1, inst.dp_size))
         self.owner, self.gap_policy, self.replay_timeout = owner, gap_policy, replay_timeout
@@ -94,8 +104,7 @@ class RankStream:
         self.cursor = Cursor(applied=store.last_seq(inst.ip, rank))
         # (seq, payload digest) of the last batch applied; a previous session's only if it
         # is still the store's last sequence
-        self.digest = last_digest if last_digest and last_digest[0] == self.cursor.applied \
-            else None
+        self.digest = last_digest if last_digest and last_digest[0] == self.cursor.applied else None
         self.replay: ReplayRequest | None = None
         self.pending: tuple[int, bytes] | None = None
         self._replay_state = StateLog(logger, f"{self.name}: replay at {self.replay_endpoint!r}")
@@ -124,8 +133,13 @@ class RankStream:
             self.status.batches += 1
         verdict = classify(self.cursor, seq)
         if verdict is Verdict.RESTART:
-            logger.warning("%s: sequence went back from %s to %d: publisher restarted, "
-                           "dropping the rank's index", self.name, self.cursor.applied, seq)
+            logger.warning(
+                "%s: sequence went back from %s to %d: publisher restarted, "
+                "dropping the rank's index",
+                self.name,
+                self.cursor.applied,
+                seq,
+            )
             self.metrics.restarts.inc()
             self.cursor.mark_restart()
             self.digest = None
@@ -136,8 +150,12 @@ class RankStream:
             self.metrics.batches.inc(result=BatchStatus.DUPLICATE)
             return
         if verdict is Verdict.GAP and self._start_replay(self._replay_start(), (seq, payload)):
-            logger.info("%s: gap before seq %d (last applied %s): replaying",
-                        self.name, seq, self.cursor.applied)
+            logger.info(
+                "%s: gap before seq %d (last applied %s): replaying",
+                self.name,
+                seq,
+                self.cursor.applied,
+            )
             return
         self._write_run([(seq, payload)], counting_gap=verdict is Verdict.GAP)
 
@@ -151,8 +169,13 @@ class RankStream:
         if self.status is not None:
             self.status.batches += len(batches)
         held, self.pending = self.pending, None
-        logger.info("%s: replay from %d returned %d batches%s", self.name, replay.start_seq,
-                    len(batches), "" if replay.complete else " before timing out")
+        logger.info(
+            "%s: replay from %d returned %d batches%s",
+            self.name,
+            replay.start_seq,
+            len(batches),
+            "" if replay.complete else " before timing out",
+        )
         if self._other_bytes_at_applied(replay.start_seq, batches):
             self._restart(f"its batch {replay.start_seq} is not the one applied", held)
             return
@@ -195,13 +218,17 @@ class RankStream:
 
     def _restart(self, why: str, held: tuple[int, bytes] | None) -> None:
         """The publisher restarted while we were away: reset the rank, replay from 0."""
-        logger.warning("%s: publisher restarted (%s): dropping the rank's index and "
-                       "replaying from 0", self.name, why)
+        logger.warning(
+            "%s: publisher restarted (%s): dropping the rank's index and replaying from 0",
+            self.name,
+            why,
+        )
         self.metrics.restarts.inc()
         self.cursor.mark_restart()
         self.digest = None
-        result = self.store.apply_batch(self.inst.ip, self.inst.gen, self.rank, -1,
-                                        TierOps(), owner=self.owner, reset=True)
+        result = self.store.apply_batch(
+            self.inst.ip, self.inst.gen, self.rank, -1, TierOps(), owner=self.owner, reset=True
+        )
         if result.status is not BatchStatus.APPLIED:
             raise self._refused(result, "the reset")
         self.cursor.mark_applied(-1)
@@ -215,8 +242,7 @@ class RankStream:
         try:
             replay = ReplayRequest(self.ctx, self.replay_endpoint, start, self.replay_timeout)
         except zmq.ZMQError as exc:
-            self._replay_state.set("unavailable", f"{exc}; gaps cannot be filled",
-                                   logging.ERROR)
+            self._replay_state.set("unavailable", f"{exc}; gaps cannot be filled", logging.ERROR)
             return False
         self._replay_state.set("available")
         self.pending, self.replay = held, replay
@@ -239,15 +265,26 @@ class RankStream:
         gap = False
         if step.gap_before:
             self.metrics.gaps.inc(outcome="unrecoverable")
-            logger.error("%s: batches %s..%d are lost (no replay covers them): %s the index",
-                         self.name, self.cursor.expected(), step.seq - 1,
-                         "clearing" if self.gap_policy == "clear" else "keeping (flagged)")
+            logger.error(
+                "%s: batches %s..%d are lost (no replay covers them): %s the index",
+                self.name,
+                self.cursor.expected(),
+                step.seq - 1,
+                "clearing" if self.gap_policy == "clear" else "keeping (flagged)",
+            )
             reset = reset or self.gap_policy == "clear"
             gap = self.gap_policy != "clear"
         started = time.perf_counter()
         result = self.store.apply_batch(
-            self.inst.ip, self.inst.gen, self.rank, step.seq, plan.ops,
-            owner=self.owner, reset=reset, gap=gap)
+            self.inst.ip,
+            self.inst.gen,
+            self.rank,
+            step.seq,
+            plan.ops,
+            owner=self.owner,
+            reset=reset,
+            gap=gap,
+        )
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
         self.metrics.batches.inc(result=result.status)
         if result.status is BatchStatus.APPLIED:
@@ -262,22 +299,33 @@ class RankStream:
             raise self._refused(result, f"the write of seq {step.seq}")
 
     def _refused(self, result: ApplyResult, what: str) -> FencedError:
-        logger.error("%s: %s was refused (%s): stopping this subscription",
-                     self.name, what, result.status)
-        return FencedError(f"{self.name}: {what} was refused ({result.status})",
-                           result.status)
+        logger.error(
+            "%s: %s was refused (%s): stopping this subscription", self.name, what, result.status
+        )
+        return FencedError(f"{self.name}: {what} was refused ({result.status})", result.status)
 
     def _plan(self, step: Step) -> tuple[Plan, list[Event]]:
         try:
             batch = decode_batch(step.payload)
         except NotABatchError as exc:
-            logger.error("%s: seq %d is not an event batch (%d bytes): %s",
-                         self.name, step.seq, len(step.payload), exc)
+            logger.error(
+                "%s: seq %d is not an event batch (%d bytes): %s",
+                self.name,
+                step.seq,
+                len(step.payload),
+                exc,
+            )
             self.metrics.malformed_frames.inc(reason=exc.reason)
             return Plan(TierOps()), []
         for skipped in batch.skipped:
-            logger.error("%s: seq %d event %d skipped (%s): %s",
-                         self.name, step.seq, skipped.index, skipped.reason, skipped.detail)
+            logger.error(
+                "%s: seq %d event %d skipped (%s): %s",
+                self.name,
+                step.seq,
+                skipped.index,
+                skipped.reason,
+                skipped.detail,
+            )
         return plan_ops(batch, self.groups), batch.events
 
     def _count(self, plan: Plan) -> None:

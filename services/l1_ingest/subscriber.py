@@ -84,15 +84,27 @@ class _Conn:
 
 def _same(a: Instance, b: Instance) -> bool:
     return (a.gen, a.zmq_endpoint, a.replay_endpoint, a.dp_size) == (
-        b.gen, b.zmq_endpoint, b.replay_endpoint, b.dp_size)
+        b.gen,
+        b.zmq_endpoint,
+        b.replay_endpoint,
+        b.dp_size,
+    )
 
 
 class Subscriber:
     """All subscriptions of one ingester process; :meth:`run` is its thread."""
 
-    def __init__(self, store: Store, cfg: L1IngestSettings, metrics: IngestMetrics, *,
-                 owner: str = "", ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 health: Health | None = None, ingester: str = "") -> None:
+    def __init__(
+        self,
+        store: Store,
+        cfg: L1IngestSettings,
+        metrics: IngestMetrics,
+        *,
+        owner: str = "",
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        health: Health | None = None,
+        ingester: str = "",
+    ) -> None:
         self.store, self.cfg, self.metrics, self.owner = store, cfg, metrics, owner
         self._beat = (health or Health()).heartbeat("subscriber loop")
         self.ctx = ctx or zmq.Context.instance()
@@ -105,8 +117,9 @@ class Subscriber:
         self._retry: dict[str, tuple[float, Backoff]] = {}
         self._digests: dict[tuple[str, int], tuple[int, int, bytes]] = {}
         """(ip, rank) → (gen, seq, digest) of the last payload applied by a closed session."""
-        self.board = StatusBoard(store, cfg, metrics, owner=owner,
-                                 ingester=ingester or owner or "unnamed")
+        self.board = StatusBoard(
+            store, cfg, metrics, owner=owner, ingester=ingester or owner or "unnamed"
+        )
         self._status_due = 0.0
         self._poller = zmq.Poller()
         self._dirty = True
@@ -199,18 +212,30 @@ class Subscriber:
             self._drop(inst.ip)
             self._schedule_retry(inst.ip, f"cannot subscribe: {exc}")
             return
-        logger.info("subscribed to %s at %s (dp %d, replay %s, gen %d)", inst.ip,
-                    inst.zmq_endpoint, inst.dp_size, inst.replay_endpoint or "none", inst.gen)
+        logger.info(
+            "subscribed to %s at %s (dp %d, replay %s, gen %d)",
+            inst.ip,
+            inst.zmq_endpoint,
+            inst.dp_size,
+            inst.replay_endpoint or "none",
+            inst.gen,
+        )
 
     def _open_rank(self, inst: Instance, rank: int) -> None:
         gen, seq, digest = self._digests.get((inst.ip, rank), (None, None, b""))
         stream = RankStream(
-            inst, rank, self.store, self.ctx, owner=self.owner,
-            gap_policy=self.cfg.on_unrecoverable_gap, replay_timeout=self.cfg.replay_timeout,
+            inst,
+            rank,
+            self.store,
+            self.ctx,
+            owner=self.owner,
+            gap_policy=self.cfg.on_unrecoverable_gap,
+            replay_timeout=self.cfg.replay_timeout,
             metrics=self.metrics,
             last_digest=(seq, digest) if gen == inst.gen and seq is not None else None,
             status=self.board.of(inst),
-            groups=GroupSettings(*self.cfg.hybrid_settings(inst.model), max(1, inst.dp_size)))
+            groups=GroupSettings(*self.cfg.hybrid_settings(inst.model), max(1, inst.dp_size)),
+        )
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -282,8 +307,9 @@ class Subscriber:
     def _sync_poller(self) -> None:
         """Poll monitors always, SUBs unless paused, and the DEALER of each replay in flight."""
         self._poller = zmq.Poller()
-        self._by_socket = {s: v for s, v in self._by_socket.items()
-                           if v[0] is not SocketKind.REPLAY}
+        self._by_socket = {
+            s: v for s, v in self._by_socket.items() if v[0] is not SocketKind.REPLAY
+        }
         for conn in self._conns.values():
             self._poller.register(conn.monitor, zmq.POLLIN)
             replay = conn.stream.replay
@@ -338,8 +364,11 @@ class Subscriber:
             item = parse_live(frames)
             if item is None:
                 self.metrics.malformed_frames.inc(reason="framing")
-                logger.error("%s: dropped a message of %d frames (want topic, seq, payload)",
-                             conn.stream.name, len(frames))
+                logger.error(
+                    "%s: dropped a message of %d frames (want topic, seq, payload)",
+                    conn.stream.name,
+                    len(frames),
+                )
                 continue
             conn.stream.on_live(*item)
 

@@ -65,15 +65,19 @@ class Verdict:
     """Some unit seen is of a group ≥ 1."""
 
 
-def collect(keys: Mapping[int, int], loc_ips: Sequence[tuple[str, ...]], scope: str,
-            v: Verdict) -> Blocks:
+def collect(
+    keys: Mapping[int, int], loc_ips: Sequence[tuple[str, ...]], scope: str, v: Verdict
+) -> Blocks:
     """The complete blocks of ``keys`` (key → location id) per instance IP or for the pool."""
     if v.multi:
         return _per_group(keys, loc_ips, scope, v)
     unit_of, single, complete = v.unit_of, v.single, v.complete
     if scope == "pool":
-        pool = {ck & U64_MASK for ck in keys if unit_of[ck >> 64] in single
-                or (unit_of[ck >> 64] << 64 | ck & U64_MASK) in complete}
+        pool = {
+            ck & U64_MASK
+            for ck in keys
+            if unit_of[ck >> 64] in single or (unit_of[ck >> 64] << 64 | ck & U64_MASK) in complete
+        }
         return Blocks({}, array("Q", sorted(pool)), v.count)
     per_ip: dict[str, set[int]] = {}
     for ck, loc in keys.items():
@@ -85,12 +89,12 @@ def collect(keys: Mapping[int, int], loc_ips: Sequence[tuple[str, ...]], scope: 
             continue
         for ip in ips:
             per_ip.setdefault(ip, set()).add(ck & U64_MASK)
-    return Blocks({ip: array("Q", sorted(per_ip.pop(ip))) for ip in list(per_ip)}, None,
-                  v.count)
+    return Blocks({ip: array("Q", sorted(per_ip.pop(ip))) for ip in list(per_ip)}, None, v.count)
 
 
-def _per_group(keys: Mapping[int, int], loc_ips: Sequence[tuple[str, ...]], scope: str,
-               v: Verdict) -> Blocks:
+def _per_group(
+    keys: Mapping[int, int], loc_ips: Sequence[tuple[str, ...]], scope: str, v: Verdict
+) -> Blocks:
     unit_of, group_of, single, complete = v.unit_of, v.group_of, v.single, v.complete
     pool = scope == "pool"
     found: dict[int, dict[str | None, set[int]]] = {}
@@ -114,8 +118,11 @@ def _per_group(keys: Mapping[int, int], loc_ips: Sequence[tuple[str, ...]], scop
         if pool:
             out[group] = Blocks({}, array("Q", sorted(sets.pop(None, ()))), counts.get(group, 0))
         else:
-            out[group] = Blocks({ip: array("Q", sorted(s)) for ip, s in sets.items()
-                                 if ip is not None}, None, counts.get(group, 0))
+            out[group] = Blocks(
+                {ip: array("Q", sorted(s)) for ip, s in sets.items() if ip is not None},
+                None,
+                counts.get(group, 0),
+            )
     top = out.pop(0)
     top.complete, top.groups = v.count, out
     return top

@@ -69,8 +69,9 @@ def _endpoints(replicas: Any, field: str, what: str, body: bytes) -> list[str]:
 def replicas_of(entry: dict[str, Any], body: bytes = b"") -> Replicas:
     """Endpoints of one key's entry: memory replicas and local-disk replicas (≥ 0.3.12)."""
     out = _endpoints(entry.get("values"), "transport_endpoint_", "batch_query_keys", body)
-    out += _endpoints(entry.get("local_disk_values"), "transport_endpoint",
-                      "batch_query_keys", body)
+    out += _endpoints(
+        entry.get("local_disk_values"), "transport_endpoint", "batch_query_keys", body
+    )
     return tuple(dict.fromkeys(out))
 
 
@@ -125,8 +126,11 @@ def parse_segments_detail(body: bytes) -> dict[str, str]:
     """``/get_segments_detail`` → te_endpoint → segment name (every status)."""
     try:
         doc = orjson.loads(body)
-        return {s["te_endpoint"]: str(s["segment_name"]) for s in doc["segments"]
-                if isinstance(s["te_endpoint"], str)}
+        return {
+            s["te_endpoint"]: str(s["segment_name"])
+            for s in doc["segments"]
+            if isinstance(s["te_endpoint"], str)
+        }
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise MasterError(f"get_segments_detail: bad body ({exc})", "garbage") from exc
 
@@ -146,12 +150,18 @@ def batches(keys: Sequence[bytes], size: int) -> Iterator[Sequence[bytes]]:
 class MasterClient:
     """One master; ``base_url`` already has its scheme (``http://10.0.0.9:9003``)."""
 
-    def __init__(self, base_url: str, timeout: float, segments_timeout: float,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float,
+        segments_timeout: float,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._segments_timeout = segments_timeout
-        self._http = httpx.Client(timeout=timeout, transport=transport,
-                                  headers={"Accept-Encoding": "identity"})
+        self._http = httpx.Client(
+            timeout=timeout, transport=transport, headers={"Accept-Encoding": "identity"}
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -166,16 +176,19 @@ class MasterClient:
         except httpx.HTTPError as exc:
             raise MasterError(f"{path.split('?')[0]}: {exc!r}", "down") from exc
 
-    def iter_keys(self, deadline: float,
-                  skipped: Counter[str] | None = None) -> Iterator[list[bytes]]:
+    def iter_keys(
+        self, deadline: float, skipped: Counter[str] | None = None
+    ) -> Iterator[list[bytes]]:
         """Stream ``/get_all_keys`` as lists of lines (one per 64 KiB read); raises if the
         body is cut or is not key text. Never holds the whole body; lines longer than
         :data:`MAX_KEY_BYTES` are dropped and counted in ``skipped["too_long"]``."""
         try:
             with self._http.stream("GET", self.base_url + "/get_all_keys") as resp:
                 _check(resp, "get_all_keys", "text/plain")
-                yield from split_lines(_checked(resp.iter_bytes(1 << 16), deadline),
-                                       skipped if skipped is not None else Counter())
+                yield from split_lines(
+                    _checked(resp.iter_bytes(1 << 16), deadline),
+                    skipped if skipped is not None else Counter(),
+                )
         except httpx.TimeoutException as exc:
             raise MasterError(f"get_all_keys: {exc!r}", "timeout") from exc
         except httpx.RemoteProtocolError as exc:
@@ -219,8 +232,9 @@ def _checked(chunks: Iterator[bytes], deadline: float) -> Iterator[bytes]:
         yield chunk
 
 
-def split_lines(chunks: Iterable[bytes], skipped: Counter[str],
-                max_line: int = MAX_KEY_BYTES) -> Iterator[list[bytes]]:
+def split_lines(
+    chunks: Iterable[bytes], skipped: Counter[str], max_line: int = MAX_KEY_BYTES
+) -> Iterator[list[bytes]]:
     """``\n``-terminated lines of a chunked body, one list per chunk. A line longer than
     ``max_line`` is dropped as it streams (``skipped["too_long"]``): at most ``max_line``
     bytes are carried between chunks, so a body without newlines costs linear time and
@@ -253,5 +267,6 @@ def _check(resp: httpx.Response, what: str, content_type: str) -> None:
     if resp.status_code != 200:
         raise MasterError(f"{what}: HTTP {resp.status_code}", f"status_{resp.status_code}")
     if content_type and not resp.headers.get("content-type", "").startswith(content_type):
-        raise MasterError(f"{what}: unexpected content type "
-                          f"{resp.headers.get('content-type')!r}", "garbage")
+        raise MasterError(
+            f"{what}: unexpected content type {resp.headers.get('content-type')!r}", "garbage"
+        )

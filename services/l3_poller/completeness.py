@@ -55,8 +55,12 @@ class Requirements:
     """Units with seen namespaces that do not count (other shards, beyond a pin)."""
 
 
-def requirements(ns_ids: Iterable[int], info: Sequence[AnyNamespace], unit_of: Sequence[int],
-                 pins: Mapping[str, ModelPin]) -> Requirements:
+def requirements(
+    ns_ids: Iterable[int],
+    info: Sequence[AnyNamespace],
+    unit_of: Sequence[int],
+    pins: Mapping[str, ModelPin],
+) -> Requirements:
     """Requirements from the namespaces ``ns_ids`` (those seen within the memory window);
     ``unit_of`` maps a namespace id to its unit (deployment and KV-cache group)."""
     out = Requirements({}, {}, set())
@@ -72,8 +76,11 @@ def requirements(ns_ids: Iterable[int], info: Sequence[AnyNamespace], unit_of: S
         ascend.append(ns)
         model_of[unit] = parsed.model
         top = classes.setdefault((unit, parsed.role, parsed.family), [-1, -1, -1])
-        top[0], top[1], top[2] = (max(top[0], parsed.head), max(top[1], parsed.pp),
-                                  max(top[2], parsed.layer))
+        top[0], top[1], top[2] = (
+            max(top[0], parsed.head),
+            max(top[1], parsed.pp),
+            max(top[2], parsed.layer),
+        )
     bounds: dict[tuple[int, str, str], tuple[int, int, int]] = {}
     for cls, (head, pp, layer) in classes.items():
         pin = pins.get(model_of[cls[0]], ModelPin())
@@ -86,8 +93,13 @@ def requirements(ns_ids: Iterable[int], info: Sequence[AnyNamespace], unit_of: S
         parsed, unit = info[ns], unit_of[ns]
         assert isinstance(parsed, AscendNamespace)
         h, p, ly = bounds[(unit, parsed.role, parsed.family)]
-        if (parsed.pcp == 0 and parsed.dcp == 0 and parsed.head < h and parsed.pp < p
-                and parsed.layer < ly):
+        if (
+            parsed.pcp == 0
+            and parsed.dcp == 0
+            and parsed.head < h
+            and parsed.pp < p
+            and parsed.layer < ly
+        ):
             out.required[ns] = unit
         else:
             out.extra.add(unit)
@@ -107,8 +119,9 @@ def may_rehash(ns: AnyNamespace) -> bool:
     return isinstance(ns, AscendNamespace) and ns.form in REHASH_FORMS
 
 
-def unmappable_units(keys: Iterable[int], unit_of: Sequence[int],
-                     candidates: Mapping[int, int]) -> dict[int, int]:
+def unmappable_units(
+    keys: Iterable[int], unit_of: Sequence[int], candidates: Mapping[int, int]
+) -> dict[int, int]:
     """The units (KV-cache groups) of ``candidates`` (unit → deployment: groups of deployments
     of a :data:`REHASH_FORMS` layout that have keys in at least two groups) none of whose
     block hashes is also a block hash of another group of the same deployment → how many of
@@ -139,5 +152,4 @@ def unmappable_units(keys: Iterable[int], unit_of: Sequence[int],
 
 def pins_by_model(models: Iterable[tuple[str, int, int, int]]) -> dict[str, ModelPin]:
     """``(name, heads, ppRanks, layers)`` from config → pins keyed by the key's model field."""
-    return {model_basename(name): ModelPin(heads, pp, layers)
-            for name, heads, pp, layers in models}
+    return {model_basename(name): ModelPin(heads, pp, layers) for name, heads, pp, layers in models}

@@ -77,14 +77,16 @@ class PollStats:
     """(model, group) of those groups."""
 
 
-
-
 class MasterIndex:
     """State of one master across polls. Poll: begin → feed* → located* → commit | abort."""
 
-    def __init__(self, locate: bool = True, ns_memory: float = 60.0,
-                 formats: tuple[str, ...] = FAMILIES,
-                 pins: Mapping[str, ModelPin] | None = None) -> None:
+    def __init__(
+        self,
+        locate: bool = True,
+        ns_memory: float = 60.0,
+        formats: tuple[str, ...] = FAMILIES,
+        pins: Mapping[str, ModelPin] | None = None,
+    ) -> None:
         self.locate = locate
         self.ns_memory = ns_memory
         self.formats = tuple(formats)
@@ -225,8 +227,11 @@ class MasterIndex:
         else), the complete ``unit << 64 | hash`` ids of the others, how many complete
         blocks; unmappable units have none."""
         need, required, skip = self._req.need, self._req.required, self._unmappable
-        single = {unit for unit, n in need.items()
-                  if n == 1 and unit not in self._req.extra and unit not in skip}
+        single = {
+            unit
+            for unit, n in need.items()
+            if n == 1 and unit not in self._req.extra and unit not in skip
+        }
         counts: dict[int, int] = {}
         n_single = 0
         for ck in self.keys:
@@ -238,12 +243,12 @@ class MasterIndex:
                 continue
             hk = unit << 64 | ck & U64_MASK
             counts[hk] = counts.get(hk, 0) + 1
-        for hk in [hk for hk, n in counts.items()
-                   if n != need[hk >> 64] or hk >> 64 in skip]:
+        for hk in [hk for hk, n in counts.items() if n != need[hk >> 64] or hk >> 64 in skip]:
             del counts[hk]
         multi = any(self._unit_group[unit] for unit in need)
-        return Verdict(self._unit_of, self._unit_group, single, counts,
-                       n_single + len(counts), multi)
+        return Verdict(
+            self._unit_of, self._unit_group, single, counts, n_single + len(counts), multi
+        )
 
     def _judge_groups(self) -> None:
         """Find the groups of this poll whose hashes are not block hashes (see
@@ -253,13 +258,17 @@ class MasterIndex:
             if may_rehash(self._ns_info[ns]):
                 unit = self._unit_of[ns]
                 by_dep.setdefault(self._unit_dep[unit], set()).add(unit)
-        candidates = {unit: dep for dep, units in by_dep.items() if len(units) > 1
-                      for unit in units}
+        candidates = {
+            unit: dep for dep, units in by_dep.items() if len(units) > 1 for unit in units
+        }
         found = unmappable_units(self.keys, self._unit_of, candidates) if candidates else {}
         self._unmappable = set(found)
         self.stats.unmappable_group = sum(found.values())
-        model = {self._unit_of[ns]: getattr(self._ns_info[ns], "model", "")
-                 for ns in self._cur_ns if self._unit_of[ns] in found}
+        model = {
+            self._unit_of[ns]: getattr(self._ns_info[ns], "model", "")
+            for ns in self._cur_ns
+            if self._unit_of[ns] in found
+        }
         self.stats.unmappable = sorted((model[u], self._unit_group[u]) for u in found)
 
     # -- interning -----------------------------------------------------------------
@@ -307,4 +316,3 @@ class MasterIndex:
         self._loc_ids = {loc: i for i, loc in enumerate(self._locs) if i != UNLOCATED}
         for ck, loc in self.keys.items():
             self.keys[ck] = new_id[loc]
-

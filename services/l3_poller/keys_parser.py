@@ -53,7 +53,8 @@ _ASCEND = re.compile(
     r"(?:@pp_rank:(?P<pp>\d+))?"
     r"(?:@group:(?P<group>\d+)@cache_role:(?P<role>[A-Za-z0-9_]+)"
     r"@cache_family:(?P<family>[A-Za-z0-9_]+))?"
-    r"(?:@layer_id:(?P<layer>\d+))?")
+    r"(?:@layer_id:(?P<layer>\d+))?"
+)
 HASH_HEX = re.compile(rb"[0-9a-f]{16,}")
 """A block hash as ``BlockHash.hex()`` writes it (64 digits for sha256; ≥ 16 for a u64)."""
 _URL_SAFE = re.compile(rb"[A-Za-z0-9._~@:/=-]+")
@@ -154,13 +155,22 @@ def _ascend(prefix: str, layer: str) -> AscendNamespace | None:
     else:
         return None  # no pp and no layer: no release writes that
     return AscendNamespace(
-        m["model"], form, int(m["pcp"]), int(m["dcp"]), int(m["head"]),
-        -1 if pp is None else int(pp), int(group or 0), m["role"] or "kv",
-        m["family"] or "default", lay)
+        m["model"],
+        form,
+        int(m["pcp"]),
+        int(m["dcp"]),
+        int(m["head"]),
+        -1 if pp is None else int(pp),
+        int(group or 0),
+        m["role"] or "kv",
+        m["family"] or "default",
+        lay,
+    )
 
 
-def parse_prefix(prefix: str, layer: str = "",
-                 formats: tuple[str, ...] = FAMILIES) -> AnyNamespace | None:
+def parse_prefix(
+    prefix: str, layer: str = "", formats: tuple[str, ...] = FAMILIES
+) -> AnyNamespace | None:
     """Parse a key without its ``@{hex}`` (and without ``@{layer}`` after it, passed as
     ``layer``: what :func:`split_key` returns). Only the families in ``formats``."""
     if "vllm-ascend" in formats and "@head_or_tp_rank:" in prefix:

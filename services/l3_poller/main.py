@@ -33,7 +33,11 @@ def _run(proc: shell.Process[L3PollerSettings]) -> None:
     store = Store(proc.redis())
     logging.getLogger(__name__).info(
         "l3-poll: scope %s, every %gs, stale after %gs, batches of %d keys",
-        l3.scope, l3.poll_interval, l3.stale_after, l3.batch_size)
+        l3.scope,
+        l3.poll_interval,
+        l3.stale_after,
+        l3.batch_size,
+    )
     L3Poller(l3, store, metrics, health=proc.health).run(proc.stop)
 
 

@@ -37,32 +37,49 @@ class PollerMetrics:
             keys_skipped=r.counter(
                 p + "keys_skipped_total",
                 "keys skipped: unparsed (other connector/tenant), unquotable (cannot go raw "
-                "into a URL)", ["master", "reason"]),
-            keys_located=r.counter(p + "keys_located_total", "keys whose replicas were queried",
-                                   ["master"]),
-            locate_calls=r.counter(p + "locate_calls_total", "replica lookups by endpoint",
-                                   ["master", "endpoint"]),
-            poll_seconds=r.histogram(p + "poll_seconds", "duration of one successful poll",
-                                     ["master"], buckets=_POLL_BUCKETS),
-            write_seconds=r.histogram(p + "write_seconds", "Redis write of all instances' sets",
-                                      buckets=_POLL_BUCKETS),
-            sets_written=r.counter(p + "sets_written_total",
-                                   "instance L3 sets rewritten (unchanged ones are skipped)"),
-            errors=r.counter(p + "errors_total", "failed polls and writes by reason",
-                             ["master", "reason"]),
-            master_keys=r.gauge(p + "master_keys", "parsed keys in the last good poll",
-                                ["master"]),
-            master_blocks=r.gauge(p + "master_blocks", "complete blocks in the last good poll",
-                                  ["master"]),
-            master_stale=r.gauge(p + "master_stale", "1 once a master's state was dropped",
-                                 ["master"]),
+                "into a URL)",
+                ["master", "reason"],
+            ),
+            keys_located=r.counter(
+                p + "keys_located_total", "keys whose replicas were queried", ["master"]
+            ),
+            locate_calls=r.counter(
+                p + "locate_calls_total", "replica lookups by endpoint", ["master", "endpoint"]
+            ),
+            poll_seconds=r.histogram(
+                p + "poll_seconds",
+                "duration of one successful poll",
+                ["master"],
+                buckets=_POLL_BUCKETS,
+            ),
+            write_seconds=r.histogram(
+                p + "write_seconds", "Redis write of all instances' sets", buckets=_POLL_BUCKETS
+            ),
+            sets_written=r.counter(
+                p + "sets_written_total", "instance L3 sets rewritten (unchanged ones are skipped)"
+            ),
+            errors=r.counter(
+                p + "errors_total", "failed polls and writes by reason", ["master", "reason"]
+            ),
+            master_keys=r.gauge(p + "master_keys", "parsed keys in the last good poll", ["master"]),
+            master_blocks=r.gauge(
+                p + "master_blocks", "complete blocks in the last good poll", ["master"]
+            ),
+            master_stale=r.gauge(
+                p + "master_stale", "1 once a master's state was dropped", ["master"]
+            ),
             keys_unparsed=r.gauge(
-                p + "keys_unparsed", "keys of the last good poll in no known key family "
+                p + "keys_unparsed",
+                "keys of the last good poll in no known key family "
                 "(another connector or tenant, or a key format this version does not know)",
-                ["master"]),
+                ["master"],
+            ),
             keys_unmappable_group=r.gauge(
-                p + "keys_unmappable_group", "keys of the last good poll in KV-cache groups "
+                p + "keys_unmappable_group",
+                "keys of the last good poll in KV-cache groups "
                 "whose hashes are not vLLM block hashes (vllm-ascend v0.21-v0.24 grouped "
-                "rehash): parsed, but in no L3 set", ["master"]),
+                "rehash): parsed, but in no L3 set",
+                ["master"],
+            ),
             registry=r,
         )

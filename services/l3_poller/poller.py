@@ -69,8 +69,9 @@ class _Pending:
     _bytes: int = 0
 
     def add(self, key: bytes, key_id: int) -> None:
-        if self._keys and (len(self._keys) >= self.size
-                           or self._bytes + len(key) + 1 > MAX_URL_BYTES):
+        if self._keys and (
+            len(self._keys) >= self.size or self._bytes + len(key) + 1 > MAX_URL_BYTES
+        ):
             self.flush()
         self._keys.append(key)
         self._ids.append(key_id)
@@ -85,16 +86,25 @@ class _Pending:
 class MasterPoller:
     """Polls one master until ``stop`` is set; publishes every good poll to the writer."""
 
-    def __init__(self, url: str, cfg: L3PollerSettings, client: MasterClient, writer: L3Writer,
-                 metrics: PollerMetrics, stop: threading.Event,
-                 beat: Heartbeat | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        cfg: L3PollerSettings,
+        client: MasterClient,
+        writer: L3Writer,
+        metrics: PollerMetrics,
+        stop: threading.Event,
+        beat: Heartbeat | None = None,
+    ) -> None:
         self.url, self.cfg, self.client, self.writer = url, cfg, client, writer
         self.metrics, self.stop = metrics, stop
         self.beat = beat or Health().heartbeat(f"master {url}")
         self.index = MasterIndex(
-            locate=cfg.scope == "segment", ns_memory=cfg.stale_after,
+            locate=cfg.scope == "segment",
+            ns_memory=cfg.stale_after,
             formats=tuple(cfg.key_formats),
-            pins=pins_by_model((m.name, m.heads, m.pp_ranks, m.layers) for m in cfg.models))
+            pins=pins_by_model((m.name, m.heads, m.pp_ranks, m.layers) for m in cfg.models),
+        )
         self.has_batch = True
         self.view: MasterView | None = None
         self.last_stats: PollStats | None = None
@@ -150,8 +160,13 @@ class MasterPoller:
     def _note_unparsed(self, stats: PollStats) -> None:
         last = self.last_stats
         self.last_stats = stats
-        note_unparsed(self.url, last.skipped["unparsed"] if last else 0, stats,
-                      self.cfg.key_formats, self.metrics)
+        note_unparsed(
+            self.url,
+            last.skipped["unparsed"] if last else 0,
+            stats,
+            self.cfg.key_formats,
+            self.metrics,
+        )
         note_unmappable(self.url, last.unmappable_group if last else 0, stats, self.metrics)
 
     def state(self) -> dict[str, str]:
@@ -200,8 +215,7 @@ class MasterPoller:
         m.master_keys.set(len(self.index.keys), master=url)
         m.master_blocks.set(blocks.complete, master=url)
         m.poll_seconds.observe(time.monotonic() - started, master=url)
-        return MasterView(blocks, frozenset(segmap.attached), int(time.time() * 1000),
-                          gens=gens)
+        return MasterView(blocks, frozenset(segmap.attached), int(time.time() * 1000), gens=gens)
 
     def _segments(self) -> SegmentMap:
         return SegmentMap(self.client.segments(), self.client.segments_detail())
@@ -236,8 +250,9 @@ class MasterPoller:
         self.metrics.locate_calls.inc(len(keys), master=self.url, endpoint="query_key")
         return {k.decode(): self.client.query_key(k) for k in keys}
 
-    def _apply(self, future: Future[dict[str, Replicas | None]], keys: list[bytes],
-               ids: list[int]) -> None:
+    def _apply(
+        self, future: Future[dict[str, Replicas | None]], keys: list[bytes], ids: list[int]
+    ) -> None:
         found = future.result()
         self.metrics.keys_located.inc(len(keys), master=self.url)
         for key, key_id in zip(keys, ids):
@@ -249,15 +264,21 @@ class MasterPoller:
 class L3Poller:
     """Follows the master registry; one :class:`MasterPoller` thread per master URL."""
 
-    def __init__(self, cfg: L3PollerSettings, store: Store,
-                 metrics: PollerMetrics, client_factory: ClientFactory | None = None,
-                 health: Health | None = None) -> None:
+    def __init__(
+        self,
+        cfg: L3PollerSettings,
+        store: Store,
+        metrics: PollerMetrics,
+        client_factory: ClientFactory | None = None,
+        health: Health | None = None,
+    ) -> None:
         self.cfg, self.store, self.metrics = cfg, store, metrics
         self.health = health or Health()
         self._ready = self.health.condition("redis")
         self.writer = L3Writer(store, cfg.scope, metrics)
         self._factory = client_factory or (
-            lambda url: MasterClient(url, cfg.http_timeout, cfg.segments_timeout))
+            lambda url: MasterClient(url, cfg.http_timeout, cfg.segments_timeout)
+        )
         self.pollers: dict[str, tuple[MasterPoller, threading.Thread]] = {}
         self._log = StateLog(logger, "master registry")
 
@@ -284,8 +305,15 @@ class L3Poller:
         self._log.set("read", f"{len(masters)} masters")
         self._ready.set(True)
         for url in sorted(masters - self.pollers.keys()):
-            poller = MasterPoller(url, self.cfg, self._factory(url), self.writer, self.metrics,
-                                  threading.Event(), self.health.heartbeat(f"master {url}"))
+            poller = MasterPoller(
+                url,
+                self.cfg,
+                self._factory(url),
+                self.writer,
+                self.metrics,
+                threading.Event(),
+                self.health.heartbeat(f"master {url}"),
+            )
             self.writer.enroll(url, poller)
             thread = threading.Thread(target=poller.run, name=f"l3 {url}", daemon=True)
             self.pollers[url] = (poller, thread)

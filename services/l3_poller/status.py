@@ -13,8 +13,16 @@ from services.l3_poller.writer import MasterView
 
 logger = logging.getLogger(__name__)
 
-STATE_FIELDS = ("keys", "keys_unparsed", "sample_unparsed", "keys_unmappable_group", "blocks",
-                "updated_ms", "stale", "error")
+STATE_FIELDS = (
+    "keys",
+    "keys_unparsed",
+    "sample_unparsed",
+    "keys_unmappable_group",
+    "blocks",
+    "updated_ms",
+    "stale",
+    "error",
+)
 """``ci:master:{url}:state``: keys listed and unparsed in the last complete poll, one
 unparsed key (≤ 200 chars), keys parsed but in KV-cache groups whose hashes are not vLLM
 block hashes (indexed nowhere), complete blocks indexed, last successful poll (ms since
@@ -39,8 +47,9 @@ def master_state(stats: PollStats | None, view: MasterView | None, error: str) -
     }
 
 
-def note_unparsed(url: str, before: int, stats: PollStats, formats: Sequence[str],
-                  metrics: PollerMetrics) -> None:
+def note_unparsed(
+    url: str, before: int, stats: PollStats, formats: Sequence[str], metrics: PollerMetrics
+) -> None:
     """Set the gauge; log once (WARNING, with a sample) when unparsed keys appear, once
     (INFO) when they are gone."""
     now = stats.skipped["unparsed"]
@@ -48,14 +57,18 @@ def note_unparsed(url: str, before: int, stats: PollStats, formats: Sequence[str
     if now and not before:
         logger.warning(
             "master %s: %d of %d keys are in no known key family (ingest.l3.keyFormats: %s);"
-            " e.g. %r", url, now, stats.seen, ",".join(formats),
-            stats.sample_unparsed[:SAMPLE_CHARS].decode("utf-8", "replace"))
+            " e.g. %r",
+            url,
+            now,
+            stats.seen,
+            ",".join(formats),
+            stats.sample_unparsed[:SAMPLE_CHARS].decode("utf-8", "replace"),
+        )
     elif before and not now:
         logger.info("master %s: every key is in a known key family again", url)
 
 
-def note_unmappable(url: str, before: int, stats: PollStats,
-                    metrics: PollerMetrics) -> None:
+def note_unmappable(url: str, before: int, stats: PollStats, metrics: PollerMetrics) -> None:
     """Set the gauge; log once (WARNING, naming the groups) when keys of unmappable groups
     appear, once (INFO) when they are gone."""
     now = stats.unmappable_group
@@ -65,6 +78,10 @@ def note_unmappable(url: str, before: int, stats: PollStats,
         logger.warning(
             "master %s: %d keys are in KV-cache groups that share no block hash with the other"
             " groups of their model (%s): their hashes are not vLLM block hashes (vllm-ascend"
-            " v0.21-v0.24 rehash grouped blocks); those groups stay out of L3", url, now, groups)
+            " v0.21-v0.24 rehash grouped blocks); those groups stay out of L3",
+            url,
+            now,
+            groups,
+        )
     elif before and not now:
         logger.info("master %s: no KV-cache group is unmappable any more", url)

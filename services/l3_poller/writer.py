@@ -69,8 +69,9 @@ class MasterView:
 
     def dropped(self) -> MasterView:
         """The view after ``staleAfter``: no blocks, same attachment, flagged stale."""
-        return MasterView(Blocks({}, array("Q"), 0), self.attached, self.polled_ms,
-                          stale=True, gens=self.gens)
+        return MasterView(
+            Blocks({}, array("Q"), 0), self.attached, self.polled_ms, stale=True, gens=self.gens
+        )
 
 
 class L3Writer:
@@ -136,15 +137,17 @@ class L3Writer:
             instances = self._store.list_instances()
             fallback = self._pool_fallback({canonical_ip(i.ip) for i in instances})
             for inst in instances:
-                parts, masters, polled, stale = self._parts(canonical_ip(inst.ip), inst.gen,
-                                                            fallback)
+                parts, masters, polled, stale = self._parts(
+                    canonical_ip(inst.ip), inst.gen, fallback
+                )
                 mark = (inst.gen, masters, stale, tuple(p[:3] for p in parts))
                 last = self._written.pop(inst.ip, None)
                 if last is not None and last[0] == mark and started - last[1] < REWRITE_AFTER:
                     self._written[inst.ip] = last  # same gen, masters, flag and content
                     if polled:
                         self._store.touch_l3_state(
-                            inst.ip, {"updated_ms": str(min(polled))}, inst.gen)
+                            inst.ip, {"updated_ms": str(min(polled))}, inst.gen
+                        )
                     continue
                 hashes, state = self._merge(parts, masters, polled, stale)
                 if self._store.replace_l3(inst.ip, hashes, state, gen=inst.gen):
@@ -168,11 +171,12 @@ class L3Writer:
         the namespace's only pool, so its blocks count for every instance."""
         if self._scope != "pool" or len(self._views) != 1:
             return None
-        (url, view), = self._views.items()
+        ((url, view),) = self._views.items()
         return None if view.attached & registered else url
 
-    def _parts(self, ip: str, gen: int, fallback: str | None) -> tuple[
-            list[Part], tuple[str, ...], list[int], bool]:
+    def _parts(
+        self, ip: str, gen: int, fallback: str | None
+    ) -> tuple[list[Part], tuple[str, ...], list[int], bool]:
         """What each master gives ``ip``: (url, group, digest, hashes) per non-empty part,
         the masters it is attached to, when they were polled, and whether one was dropped."""
         parts: list[Part] = []
@@ -187,8 +191,11 @@ class L3Writer:
             if pool:
                 mine = ip in view.attached or url == fallback
             else:
-                mine = (ip in view.attached or ip in blocks.per_ip
-                        or any(ip in b.per_ip for b in blocks.groups.values()))
+                mine = (
+                    ip in view.attached
+                    or ip in blocks.per_ip
+                    or any(ip in b.per_ip for b in blocks.groups.values())
+                )
             if not mine:
                 continue
             masters.append(url)
@@ -201,16 +208,18 @@ class L3Writer:
         return parts, tuple(masters), polled, stale
 
     @staticmethod
-    def _merge(parts: list[Part], masters: tuple[str, ...], polled: list[int],
-               stale: bool) -> tuple[Collection[int] | dict[int, Collection[int]],
-                                     dict[str, str]]:
+    def _merge(
+        parts: list[Part], masters: tuple[str, ...], polled: list[int], stale: bool
+    ) -> tuple[Collection[int] | dict[int, Collection[int]], dict[str, str]]:
         """The instance's blocks — group 0's collection when it has no other group, else
         group → blocks — and its state hash."""
         by_group: dict[int, list[array[int]]] = {0: []}
         for _, group, _, hashes in parts:
             by_group.setdefault(group, []).append(hashes)
-        merged = {group: arrays[0] if len(arrays) == 1 else set().union(*arrays)
-                  for group, arrays in by_group.items()}
+        merged = {
+            group: arrays[0] if len(arrays) == 1 else set().union(*arrays)
+            for group, arrays in by_group.items()
+        }
         state = {
             "master": ",".join(masters),
             "updated_ms": str(min(polled) if polled else int(time.time() * 1000)),

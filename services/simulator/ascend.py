@@ -39,17 +39,24 @@ class ConnectorEvents:
                 u64 = hash_to_int(h)
                 if u64 not in self.pool:
                     self.pool.add(u64)
-                    out.append(BlockStored(
-                        block_hashes=[u64],
-                        parent_block_hash=None if parent is None else hash_to_int(parent),
-                        token_ids=list(event.token_ids[i * size:(i + 1) * size]),
-                        block_size=size, lora_id=None, medium="cpu", lora_name=None))
+                    out.append(
+                        BlockStored(
+                            block_hashes=[u64],
+                            parent_block_hash=None if parent is None else hash_to_int(parent),
+                            token_ids=list(event.token_ids[i * size : (i + 1) * size]),
+                            block_size=size,
+                            lora_id=None,
+                            medium="cpu",
+                            lora_name=None,
+                        )
+                    )
                 parent = h
         return out
 
 
-def ascend_store_key(model: str, head: int, digest_hex: str, *, form: str = "A", pp: int = 0,
-                     layer: int = 0) -> str:
+def ascend_store_key(
+    model: str, head: int, digest_hex: str, *, form: str = "A", pp: int = 0, layer: int = 0
+) -> str:
     """One AscendStoreConnector key (pcp0/dcp0; group 0 ``kv``/``default`` where the layout
     has groups); ``model`` is the basename of ``--model``."""
     base = f"{model_basename(model)}@pcp0@dcp0@head_or_tp_rank:{head}"

@@ -44,8 +44,9 @@ class _Alloc:
 class PrefixCacheModel:
     """GPU blocks, their hashes and the free LRU queue of one vLLM engine (one DP rank)."""
 
-    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
-                 cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, hasher: BlockHasher, cpu_blocks: int = 0
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks, self.block_size, self.hasher = num_blocks, block_size, hasher
@@ -64,8 +65,7 @@ class PrefixCacheModel:
     # -- truth ---------------------------------------------------------------------------
 
     def hashes(self, request: Request) -> list[int]:
-        return self.hasher.event_ints(list(request.token_ids), self.block_size,
-                                      request.cache_salt)
+        return self.hasher.event_ints(list(request.token_ids), self.block_size, request.cache_salt)
 
     def gpu_counts(self) -> dict[int, int]:
         """hash → physical GPU copies currently cached."""
@@ -125,21 +125,30 @@ class PrefixCacheModel:
             if i < len(alloc.hashes):
                 h = alloc.hashes[i]
                 self.block_hash[block] = h
-                self.block_tokens[block] = tokens[i * size:(i + 1) * size]
+                self.block_tokens[block] = tokens[i * size : (i + 1) * size]
                 self.cached.setdefault(h, []).append(block)
                 new_hashes.append(h)
         if new_hashes:
             salt = alloc.request.cache_salt
-            events.append(BlockStored(
-                block_hashes=new_hashes,
-                parent_block_hash=alloc.hashes[first_new - 1] if first_new else None,
-                token_ids=list(tokens[first_new * size:(first_new + len(new_hashes)) * size]),
-                block_size=size, lora_id=None, medium="GPU", lora_name=None,
-                # vLLM >= 0.17 publishes each block's extra keys; the salt (bare string in
-                # every release's event form) is on the block at token 0 only
-                extra_keys=[[salt] if i == 0 and salt else None
-                            for i in range(first_new, first_new + len(new_hashes))],
-                group_idx=0, kv_cache_spec_kind="full_attention"))
+            events.append(
+                BlockStored(
+                    block_hashes=new_hashes,
+                    parent_block_hash=alloc.hashes[first_new - 1] if first_new else None,
+                    token_ids=list(tokens[first_new * size : (first_new + len(new_hashes)) * size]),
+                    block_size=size,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    # vLLM >= 0.17 publishes each block's extra keys; the salt (bare string in
+                    # every release's event form) is on the block at token 0 only
+                    extra_keys=[
+                        [salt] if i == 0 and salt else None
+                        for i in range(first_new, first_new + len(new_hashes))
+                    ],
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                )
+            )
         return True
 
     def _ref(self, block: int) -> None:
@@ -174,9 +183,16 @@ class PrefixCacheModel:
             self.cpu.move_to_end(h)
             return
         self.cpu[h] = None
-        events.append(BlockStored(block_hashes=[h], parent_block_hash=None,
-                                  token_ids=list(tokens), block_size=self.block_size,
-                                  medium="CPU", group_idx=0))
+        events.append(
+            BlockStored(
+                block_hashes=[h],
+                parent_block_hash=None,
+                token_ids=list(tokens),
+                block_size=self.block_size,
+                medium="CPU",
+                group_idx=0,
+            )
+        )
         if len(self.cpu) > self.cpu_blocks:
             old, _ = self.cpu.popitem(last=False)
             events.append(BlockRemoved(block_hashes=[old], medium="CPU", group_idx=0))

@@ -40,13 +40,26 @@ CacheModel = PrefixCacheModel | HybridCacheModel
 class SimulatedVLLM:
     """One vLLM instance with ``ranks`` DP ranks (all of them, or just ``--dp-rank``)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "", *,
-                 vllm_version: str = "0.28.0", block_size: int = 16, num_blocks: int = 1024,
-                 ranks: Sequence[int] = (0,), buffer_steps: int = 10_000, cpu_blocks: int = 0,
-                 hash_algo: str = "sha256_cbor", hash_seed: str | None = "0",
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 bind_host: str = "127.0.0.1", engine: str = "vllm", model_shape: str = "dense",
-                 prefill_chunk: int = 0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str = "",
+        topic: str = "",
+        *,
+        vllm_version: str = "0.28.0",
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        ranks: Sequence[int] = (0,),
+        buffer_steps: int = 10_000,
+        cpu_blocks: int = 0,
+        hash_algo: str = "sha256_cbor",
+        hash_seed: str | None = "0",
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind_host: str = "127.0.0.1",
+        engine: str = "vllm",
+        model_shape: str = "dense",
+        prefill_chunk: int = 0,
+    ) -> None:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.bind_host = bind_host
         if engine not in ("vllm", "vllm-ascend"):
@@ -76,21 +89,28 @@ class SimulatedVLLM:
             if self.engine == "vllm-ascend":  # the pool outlives an engine restart
                 self.connectors.setdefault(rank, ConnectorEvents())
             self.publishers[rank] = Publisher(
-                self.endpoint, self.replay_endpoint, self.topic, dp_rank=rank,
-                vllm_version=self.version, buffer_steps=self.buffer_steps, ctx=self.ctx,
-                bind_host=self.bind_host)
+                self.endpoint,
+                self.replay_endpoint,
+                self.topic,
+                dp_rank=rank,
+                vllm_version=self.version,
+                buffer_steps=self.buffer_steps,
+                ctx=self.ctx,
+                bind_host=self.bind_host,
+            )
 
     def _model(self) -> CacheModel:
         if self.model_shape == "dense":
-            return PrefixCacheModel(self.num_blocks, self.block_size, self.hasher,
-                                    self.cpu_blocks)
-        return HybridCacheModel(self.num_blocks, self.block_size, self.hasher, self.groups,
-                                self.prefill_chunk)
+            return PrefixCacheModel(self.num_blocks, self.block_size, self.hasher, self.cpu_blocks)
+        return HybridCacheModel(
+            self.num_blocks, self.block_size, self.hasher, self.groups, self.prefill_chunk
+        )
 
     # -- driving -------------------------------------------------------------------------
 
-    def serve(self, requests: Iterable[Request], *, rank: int | None = None,
-              drop: bool = False) -> dict[int, int]:
+    def serve(
+        self, requests: Iterable[Request], *, rank: int | None = None, drop: bool = False
+    ) -> dict[int, int]:
         """One engine step: requests go to ``rank`` or round-robin; returns rank → seq sent."""
         by_rank: dict[int, list[Request]] = {r: [] for r in self.ranks}
         for i, request in enumerate(requests):
@@ -149,14 +169,16 @@ class SimulatedVLLM:
         """vLLM's hit for ``request``, in tokens (:mod:`common.hit_rule` over every group's
         blocks on any rank: the union the index evaluates)."""
         hashes = self.models[self.ranks[0]].hashes(request)
-        present = [[int(any(h in _held(m, g) for m in self.models.values())) for h in hashes]
-                   for g in range(len(self.groups))]
-        return hit_rule.hit_tokens(rule_for(self.groups, self.block_size),
-                                   len(request.token_ids), present)
+        present = [
+            [int(any(h in _held(m, g) for m in self.models.values())) for h in hashes]
+            for g in range(len(self.groups))
+        ]
+        return hit_rule.hit_tokens(
+            rule_for(self.groups, self.block_size), len(request.token_ids), present
+        )
 
     def member_keys(self, request: Request) -> list[bytes]:
-        return self.hasher.member_keys(list(request.token_ids), self.block_size,
-                                       request.cache_salt)
+        return self.hasher.member_keys(list(request.token_ids), self.block_size, request.cache_salt)
 
     def state(self, *, finished: bool = False) -> dict[str, Any]:
         """JSON-able truth: per rank the last sequence, GPU hash → copies, CPU hashes, and
@@ -174,19 +196,25 @@ class SimulatedVLLM:
                     "cpu": sorted(str(h) for h in self.models[r].cpu_hashes()),
                     "rejected": self.models[r].rejected,
                     "pool": sorted(str(h) for h in self.connectors[r].pool)
-                    if r in self.connectors else [],
-                } for r in self.ranks
+                    if r in self.connectors
+                    else [],
+                }
+                for r in self.ranks
             },
         }
         if self.model_shape != "dense":  # hybrid: the groups and each group's residency
-            state.update(model_shape=self.model_shape, hash_unit=self.block_size,
-                         groups=describe(self.groups, self.block_size))
+            state.update(
+                model_shape=self.model_shape,
+                hash_unit=self.block_size,
+                groups=describe(self.groups, self.block_size),
+            )
             for r in self.ranks:
                 model = self.models[r]
                 assert isinstance(model, HybridCacheModel)
                 state["ranks"][str(r)]["gpu_groups"] = {
                     str(g): {str(h): n for h, n in counts.items()}
-                    for g, counts in enumerate(model.group_counts())}
+                    for g, counts in enumerate(model.group_counts())
+                }
         return state
 
     def write_state(self, path: str | os.PathLike[str], *, finished: bool = False) -> None:

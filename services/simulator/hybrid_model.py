@@ -60,18 +60,27 @@ class _Alloc:
 class HybridCacheModel:
     """The KV-cache groups, blocks and free queue of one hybrid vLLM engine (one DP rank)."""
 
-    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
-                 groups: Sequence[GroupShape], prefill_chunk: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hasher: BlockHasher,
+        groups: Sequence[GroupShape],
+        prefill_chunk: int = 0,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         if prefill_chunk < 0 or prefill_chunk % block_size:
-            raise ValueError(f"prefill chunk {prefill_chunk} is not a multiple of the block "
-                             f"size {block_size}")
+            raise ValueError(
+                f"prefill chunk {prefill_chunk} is not a multiple of the block size {block_size}"
+            )
         self.num_blocks, self.block_size, self.hasher = num_blocks, block_size, hasher
         self.groups, self.prefill_chunk = tuple(groups), prefill_chunk
         self.rule = rule_for(self.groups, block_size)
-        self.need = [-(-(g.sliding_window - 1) // block_size) if self._swa(gid)
-                     and g.sliding_window else 0 for gid, g in enumerate(self.groups)]
+        self.need = [
+            -(-(g.sliding_window - 1) // block_size) if self._swa(gid) and g.sliding_window else 0
+            for gid, g in enumerate(self.groups)
+        ]
         self.rejected = 0
         self._clear()
 
@@ -90,8 +99,7 @@ class HybridCacheModel:
     # -- truth ---------------------------------------------------------------------------
 
     def hashes(self, request: Request) -> list[int]:
-        return self.hasher.event_ints(list(request.token_ids), self.block_size,
-                                      request.cache_salt)
+        return self.hasher.event_ints(list(request.token_ids), self.block_size, request.cache_salt)
 
     def group_counts(self) -> list[dict[int, int]]:
         """Per group: hash → physical copies currently cached."""
@@ -174,8 +182,10 @@ class HybridCacheModel:
     def _serve(self, alloc: _Alloc, events: list[Event]) -> bool:
         n, size = len(alloc.request.token_ids), self.block_size
         chunks = self._chunks(alloc.hit, n)
-        needed = sum(len(chunks) if self._mamba(g) else -(-n // size) - alloc.hit // size
-                     for g in range(len(self.groups)))
+        needed = sum(
+            len(chunks) if self._mamba(g) else -(-n // size) - alloc.hit // size
+            for g in range(len(self.groups))
+        )
         if needed > len(self.free):
             return False
         alloc.cached_blocks = alloc.hit // size
@@ -185,8 +195,9 @@ class HybridCacheModel:
             for gid in range(len(self.groups)):
                 self._allocate(alloc, gid, end, events)
             if end // size > alloc.cached_blocks:
-                events.extend(self._store(alloc, gid, end // size)
-                              for gid in range(len(self.groups)))
+                events.extend(
+                    self._store(alloc, gid, end // size) for gid in range(len(self.groups))
+                )
                 alloc.cached_blocks = end // size
         return True
 
@@ -217,8 +228,7 @@ class HybridCacheModel:
 
     def _store(self, alloc: _Alloc, gid: int, c1: int) -> BlockStored:
         c0, table, size = alloc.cached_blocks, alloc.tables[gid], self.block_size
-        kept = [j for j in range(c0, c1)
-                if table[j] is not None and self._reachable(gid, j, alloc)]
+        kept = [j for j in range(c0, c1) if table[j] is not None and self._reachable(gid, j, alloc)]
         for j in kept:
             block, h = table[j], alloc.hashes[j]
             assert block is not None
@@ -228,11 +238,16 @@ class HybridCacheModel:
         return BlockStored(
             block_hashes=[alloc.hashes[j] for j in kept],
             parent_block_hash=alloc.hashes[c0 - 1] if c0 else None,
-            token_ids=list(alloc.request.token_ids[c0 * size:c1 * size]),
-            block_size=size, lora_id=None, medium="GPU", lora_name=None,
+            token_ids=list(alloc.request.token_ids[c0 * size : c1 * size]),
+            block_size=size,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
             extra_keys=[[salt] if j == 0 and salt else None for j in kept],
-            group_idx=gid, kv_cache_spec_kind=group.kind,
-            kv_cache_spec_sliding_window=group.sliding_window if self._swa(gid) else None)
+            group_idx=gid,
+            kv_cache_spec_kind=group.kind,
+            kv_cache_spec_sliding_window=group.sliding_window if self._swa(gid) else None,
+        )
 
     def _reachable(self, gid: int, j: int, alloc: _Alloc) -> bool:
         """vLLM's ``reachable_block_mask``: an SWA block is cached only in the window tail

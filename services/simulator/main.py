@@ -60,22 +60,34 @@ _EPILOG = (
     "full block but hashes only for the blocks the group keeps (sliding window: the window "
     "before the prompt's last token; mamba: one state per prefill chunk), and BlockRemoved "
     "with group_idx per evicted block. Its --state-file lists the groups and each group's "
-    "blocks (gpu_groups), from which vLLM's hit follows.")
+    "blocks (gpu_groups), from which vLLM's hit follows."
+)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cache-indexer simulate-vllm",
-                                description=__doc__.split("\n")[0], epilog=_EPILOG)
+    p = argparse.ArgumentParser(
+        prog="cache-indexer simulate-vllm", description=__doc__.split("\n")[0], epilog=_EPILOG
+    )
     a = p.add_argument
     a("--endpoint", default="tcp://*:5557", help="PUB endpoint (vLLM's bind/connect rule)")
     a("--replay-endpoint", default="", help="replay ROUTER endpoint (always binds); '' = none")
     a("--topic", default="", help="topic frame (deployments use kv-events)")
-    a("--bind-host", default="127.0.0.1",
-      help="host a wildcard endpoint binds (vLLM binds every interface: pass '*')")
-    a("--engine", choices=["vllm", "vllm-ascend"], default="vllm",
-      help="vllm, or vllm-ascend (vLLM's events + the AscendStoreConnector's pool events)")
-    a("--vllm-version", default=None,
-      help="emulated vLLM release: encoding and framing (default 0.28.0; vllm-ascend: 0.18.0)")
+    a(
+        "--bind-host",
+        default="127.0.0.1",
+        help="host a wildcard endpoint binds (vLLM binds every interface: pass '*')",
+    )
+    a(
+        "--engine",
+        choices=["vllm", "vllm-ascend"],
+        default="vllm",
+        help="vllm, or vllm-ascend (vLLM's events + the AscendStoreConnector's pool events)",
+    )
+    a(
+        "--vllm-version",
+        default=None,
+        help="emulated vLLM release: encoding and framing (default 0.28.0; vllm-ascend: 0.18.0)",
+    )
     a("--block-size", type=int, default=16)
     a("--num-blocks", type=int, default=1024, help="GPU blocks per rank")
     a("--cpu-blocks", type=int, default=0, help="CPU offload blocks per rank (0 = off)")
@@ -89,23 +101,49 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a("--prompts", type=int, default=32, help="size of the shared-prompt pool")
     a("--prompt-len", type=int, default=128, help="maximum prompt length in tokens")
     a("--hash-seed", default="0", help="PYTHONHASHSEED of the simulated engine")
-    a("--warm-prompt", type=int, default=0, metavar="N",
-      help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt that "
-           "stays cached, for hand-written example requests; 0 = off)")
-    a("--warm-prompt-file", default="", metavar="F",
-      help="also serve the token ids of the JSON array in F every 5th step ('' = off)")
-    a("--model-shape", choices=list(SHAPES), default="dense",
-      help="KV-cache groups to play: dense (one full_attention group), gemma3 (2 "
-           "sliding_window w64 + full_attention), qwen3next (mamba + full_attention), gptoss "
-           "(sliding_window w128 + full_attention); hybrids need --vllm-version >= 0.22")
-    a("--prefill-chunk", type=int, default=0, metavar="N",
-      help="hybrid shapes: prefill in chunks of N tokens, a multiple of --block-size "
-           "(0 = a prompt at once)")
-    a("--hash-algo", default="sha256_cbor", choices=("sha256_cbor", "sha256"),
-      help="--prefix-caching-hash-algo of the simulated engine")
+    a(
+        "--warm-prompt",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt that "
+        "stays cached, for hand-written example requests; 0 = off)",
+    )
+    a(
+        "--warm-prompt-file",
+        default="",
+        metavar="F",
+        help="also serve the token ids of the JSON array in F every 5th step ('' = off)",
+    )
+    a(
+        "--model-shape",
+        choices=list(SHAPES),
+        default="dense",
+        help="KV-cache groups to play: dense (one full_attention group), gemma3 (2 "
+        "sliding_window w64 + full_attention), qwen3next (mamba + full_attention), gptoss "
+        "(sliding_window w128 + full_attention); hybrids need --vllm-version >= 0.22",
+    )
+    a(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hybrid shapes: prefill in chunks of N tokens, a multiple of --block-size "
+        "(0 = a prompt at once)",
+    )
+    a(
+        "--hash-algo",
+        default="sha256_cbor",
+        choices=("sha256_cbor", "sha256"),
+        help="--prefix-caching-hash-algo of the simulated engine",
+    )
     a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
-    a("--linger", type=float, default=0.0,
-      help="after the run, keep the sockets open (serving replay) for this many seconds")
+    a(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="after the run, keep the sockets open (serving replay) for this many seconds",
+    )
     a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
     a("--restart-after", type=int, default=0, help="restart once after N steps")
     a("--reset-every", type=int, default=0, help="reset the prefix cache every N steps")
@@ -127,22 +165,43 @@ def main(argv: list[str]) -> int:
     ranks = [args.dp_rank] if args.dp_rank is not None else list(range(args.dp_size))
     try:
         sim = SimulatedVLLM(
-            args.endpoint, args.replay_endpoint, args.topic, vllm_version=args.vllm_version,
-            block_size=args.block_size, num_blocks=args.num_blocks, ranks=ranks,
-            buffer_steps=args.buffer_steps, cpu_blocks=args.cpu_blocks,
-            hash_seed=args.hash_seed, hash_algo=args.hash_algo, bind_host=args.bind_host,
-            engine=args.engine, model_shape=args.model_shape,
-            prefill_chunk=args.prefill_chunk)
+            args.endpoint,
+            args.replay_endpoint,
+            args.topic,
+            vllm_version=args.vllm_version,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            ranks=ranks,
+            buffer_steps=args.buffer_steps,
+            cpu_blocks=args.cpu_blocks,
+            hash_seed=args.hash_seed,
+            hash_algo=args.hash_algo,
+            bind_host=args.bind_host,
+            engine=args.engine,
+            model_shape=args.model_shape,
+            prefill_chunk=args.prefill_chunk,
+        )
     except ValueError as exc:
         print(f"simulate-vllm: {exc}", file=sys.stderr)
         return 2
-    workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
-                        block_size=args.block_size, seed=args.seed)
+    workload = Workload(
+        args.workload,
+        prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
     stop = threading.Event()
     install_signal_handlers(stop)
-    logger.info("simulating %s (vLLM %s, %s) on %s (ranks %s, replay %s)", args.engine,
-                args.vllm_version, args.model_shape, args.endpoint, ranks,
-                args.replay_endpoint or "none")
+    logger.info(
+        "simulating %s (vLLM %s, %s) on %s (ranks %s, replay %s)",
+        args.engine,
+        args.vllm_version,
+        args.model_shape,
+        args.endpoint,
+        ranks,
+        args.replay_endpoint or "none",
+    )
     try:
         try:
             _run(args, sim, workload, stop)
@@ -168,14 +227,18 @@ def _read_prompt(path: str) -> tuple[int, ...]:
     if not path:
         return ()
     tokens = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(tokens, list) or not tokens or not all(
-            type(t) is int and t >= 0 for t in tokens):
+    if (
+        not isinstance(tokens, list)
+        or not tokens
+        or not all(type(t) is int and t >= 0 for t in tokens)
+    ):
         raise ValueError(f"{path} is not a JSON array of token ids")
     return tuple(tokens)
 
 
-def step_requests(args: argparse.Namespace, workload: Workload, step: int,
-                  ranks: int) -> list[Request]:
+def step_requests(
+    args: argparse.Namespace, workload: Workload, step: int, ranks: int
+) -> list[Request]:
     """The prompts of engine step ``step`` (1-based): the workload's, plus the warm prompts."""
     requests = [workload.next() for _ in range(args.requests_per_step * ranks)]
     if args.warm_prompt and step % 5 == 1:
@@ -185,8 +248,9 @@ def step_requests(args: argparse.Namespace, workload: Workload, step: int,
     return requests
 
 
-def _run(args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload,
-         stop: threading.Event) -> None:
+def _run(
+    args: argparse.Namespace, sim: SimulatedVLLM, workload: Workload, stop: threading.Event
+) -> None:
     period = 1.0 / args.rate if args.rate > 0 else 0.0
     start = next_step = last_dump = time.monotonic()
     step, dropped = 0, False

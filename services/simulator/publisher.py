@@ -62,10 +62,18 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 class Publisher:
     """One DP rank's publisher; :meth:`publish` is thread-safe and returns the sequence."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "", *,
-                 dp_rank: int = 0, vllm_version: tuple[int, int, int] = (0, 28, 0),
-                 buffer_steps: int = 10_000, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 bind_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str = "",
+        topic: str = "",
+        *,
+        dp_rank: int = 0,
+        vllm_version: tuple[int, int, int] = (0, 28, 0),
+        buffer_steps: int = 10_000,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind_host: str = "127.0.0.1",
+    ) -> None:
         self.endpoint = offset_endpoint(endpoint, dp_rank)
         self.replay_endpoint = offset_endpoint(replay_endpoint, dp_rank)
         self.topic = topic.encode()
@@ -78,8 +86,7 @@ class Publisher:
         self._next_seq = 0
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"publisher-r{dp_rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"publisher-r{dp_rank}", daemon=True)
         self._thread.start()
         self._ready.wait(10)
         if self._error is not None:
@@ -90,14 +97,19 @@ class Publisher:
         """The sequence of the last batch handed to :meth:`publish` (-1 before the first)."""
         return self._next_seq - 1
 
-    def publish(self, events: Sequence[Event], *, ts: float | None = None,
-                drop: bool = False) -> int:
+    def publish(
+        self, events: Sequence[Event], *, ts: float | None = None, drop: bool = False
+    ) -> int:
         """Queue one batch; ``drop`` keeps it for replay but never sends it live (a gap)."""
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
-            payload = encode_batch(events, ts=time.time() if ts is None else ts,
-                                   data_parallel_rank=self.dp_rank, vllm_version=self.vllm_version)
+            payload = encode_batch(
+                events,
+                ts=time.time() if ts is None else ts,
+                data_parallel_rank=self.dp_rank,
+                vllm_version=self.vllm_version,
+            )
             self._queue.put((seq, payload, drop))
         return seq
 
@@ -190,8 +202,9 @@ class Publisher:
             for seq, payload in list(self._buffer):
                 if seq >= start:
                     router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
-            router.send_multipart([identity, b""] + ([b""] if self._replay_topic else [])
-                                  + [END_SEQ, b""])
+            router.send_multipart(
+                [identity, b""] + ([b""] if self._replay_topic else []) + [END_SEQ, b""]
+            )
 
     @property
     def _replay_topic(self) -> bool:

@@ -37,8 +37,11 @@ class GroupShape:
 
 SHAPES: dict[str, tuple[GroupShape, ...]] = {
     "dense": (GroupShape("full_attention"),),
-    "gemma3": (GroupShape("sliding_window", 64), GroupShape("sliding_window", 64),
-               GroupShape("full_attention")),
+    "gemma3": (
+        GroupShape("sliding_window", 64),
+        GroupShape("sliding_window", 64),
+        GroupShape("full_attention"),
+    ),
     "qwen3next": (GroupShape("mamba"), GroupShape("full_attention")),
     "gptoss": (GroupShape("sliding_window", 128), GroupShape("full_attention")),
 }
@@ -55,14 +58,17 @@ def shape_groups(name: str) -> tuple[GroupShape, ...]:
 
 def rule_for(groups: Sequence[GroupShape], block_size: int) -> Rule:
     """vLLM's hit rule for ``groups``, all of ``block_size`` tokens (hash unit = block size)."""
-    return hit_rule.build_rule([GroupSpec(g.kind, block_size, g.sliding_window)
-                                for g in groups], block_size)
+    return hit_rule.build_rule(
+        [GroupSpec(g.kind, block_size, g.sliding_window) for g in groups], block_size
+    )
 
 
 def describe(groups: Sequence[GroupShape], block_size: int) -> list[dict[str, Any]]:
     """The groups as the state file lists them (what the stores announce)."""
-    return [{"group": gid, "kind": g.kind, "block_size": block_size,
-             "sliding_window": g.sliding_window} for gid, g in enumerate(groups)]
+    return [
+        {"group": gid, "kind": g.kind, "block_size": block_size, "sliding_window": g.sliding_window}
+        for gid, g in enumerate(groups)
+    ]
 
 
 def state_hit_tokens(state: Mapping[str, Any], hashes: Sequence[int], num_tokens: int) -> int:

@@ -19,8 +19,15 @@ _VOCAB = 150_000
 class Workload:
     """An endless, seeded request generator."""
 
-    def __init__(self, kind: str = "mixed", *, prompts: int = 32, prompt_len: int = 128,
-                 block_size: int = 16, seed: int = 0) -> None:
+    def __init__(
+        self,
+        kind: str = "mixed",
+        *,
+        prompts: int = 32,
+        prompt_len: int = 128,
+        block_size: int = 16,
+        seed: int = 0,
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"workload {kind!r} is not one of {', '.join(KINDS)}")
         self.kind, self.prompt_len, self.block_size = kind, max(prompt_len, 2), block_size
@@ -45,14 +52,16 @@ class Workload:
         kind = self.kind
         if kind == "mixed":
             kind = self.rng.choices(
-                ["shared", "repeat", "unique", "salted", "short"], [40, 25, 20, 10, 5])[0]
+                ["shared", "repeat", "unique", "salted", "short"], [40, 25, 20, 10, 5]
+            )[0]
         if kind == "shared":
             return self._shared()
         if kind == "repeat":
             return self.rng.choice(self.pool)
         if kind == "salted":
-            return Request(self.rng.choice(self.pool).token_ids,
-                           cache_salt=f"tenant-{self.rng.randrange(3)}")
+            return Request(
+                self.rng.choice(self.pool).token_ids, cache_salt=f"tenant-{self.rng.randrange(3)}"
+            )
         if kind == "short":
             return Request(self._tokens(self.rng.randint(1, max(1, self.block_size - 1))))
         return self._unique()

@@ -26,10 +26,26 @@ from common.settings import instance_limits
 from common.status_report import HashCheck, InstanceState, StatusReader, build_report
 
 _RED, _YELLOW, _RESET = "\033[31m", "\033[33m", "\033[0m"
-_BAD_STATES = {InstanceState.UNASSIGNED, InstanceState.UNREACHABLE, InstanceState.NO_EVENTS,
-               InstanceState.GAP}
-_INSTANCE_COLS = ("SERVER_IP", "POD", "L1_STATE", "L1_BLOCKS", "HASH_CHECK", "LAST_EVENT",
-                  "GAPS", "INGESTER", "L3_BLOCKS", "L3_AGE", "KV_GROUPS", "NOTE")  # fmt: skip
+_BAD_STATES = {
+    InstanceState.UNASSIGNED,
+    InstanceState.UNREACHABLE,
+    InstanceState.NO_EVENTS,
+    InstanceState.GAP,
+}
+_INSTANCE_COLS = (
+    "SERVER_IP",
+    "POD",
+    "L1_STATE",
+    "L1_BLOCKS",
+    "HASH_CHECK",
+    "LAST_EVENT",
+    "GAPS",
+    "INGESTER",
+    "L3_BLOCKS",
+    "L3_AGE",
+    "KV_GROUPS",
+    "NOTE",
+)
 _MASTER_COLS = ("MASTER", "KEYS", "UNPARSED", "SAMPLE_UNPARSED", "AGE", "STALE", "ERROR")
 
 
@@ -54,8 +70,7 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
         client = connect(cfg.redis, retries=1)
         report = build_report(StatusReader(client).read(), instance_limits(cfg))
     except redis.RedisError as exc:
-        print(f"{_PROG}: cannot read Redis at {describe(cfg.redis)}: {exc}",
-              file=sys.stderr)
+        print(f"{_PROG}: cannot read Redis at {describe(cfg.redis)}: {exc}", file=sys.stderr)
         return 1
     finally:
         if client is not None:
@@ -82,26 +97,45 @@ def _instance_row(inst: dict[str, Any]) -> list[str]:
     note = l1["state_detail"]
     if l1["hash_check"] == "mismatch":
         note = l1["hash_check_detail"]
-    return [inst["server_ip"], inst["pod"] or "-", l1["state"], str(l1["blocks"]),
-            f"{l1['hash_check']} ({l1['hash_check_ok']}/{l1['hash_check_mismatch']})",
-            _secs(l1["last_event_age_s"]), str(l1["gaps"]), l1["ingester"] or "-",
-            "-" if l3["blocks"] is None else str(l3["blocks"]) + (" stale" if l3["stale"] else ""),
-            _secs(l3["age_s"]), _groups_cell(inst.get("groups") or {}), note or "-"]  # fmt: skip
+    return [
+        inst["server_ip"],
+        inst["pod"] or "-",
+        l1["state"],
+        str(l1["blocks"]),
+        f"{l1['hash_check']} ({l1['hash_check_ok']}/{l1['hash_check_mismatch']})",
+        _secs(l1["last_event_age_s"]),
+        str(l1["gaps"]),
+        l1["ingester"] or "-",
+        "-" if l3["blocks"] is None else str(l3["blocks"]) + (" stale" if l3["stale"] else ""),
+        _secs(l3["age_s"]),
+        _groups_cell(inst.get("groups") or {}),
+        note or "-",
+    ]
 
 
-_KIND_SHORT = {"full_attention": "FA", "mla_attention": "MLA", "sink_full_attention": "SINK",
-               "sliding_window": "SWA", "sliding_window_mla": "SWA-MLA", "mamba": "MAMBA",
-               "chunked_local_attention": "CHUNK"}
+_KIND_SHORT = {
+    "full_attention": "FA",
+    "mla_attention": "MLA",
+    "sink_full_attention": "SINK",
+    "sliding_window": "SWA",
+    "sliding_window_mla": "SWA-MLA",
+    "mamba": "MAMBA",
+    "chunked_local_attention": "CHUNK",
+}
 
 
 def _groups_cell(groups: dict[str, Any]) -> str:
     """``1`` for a single-group model; else the groups' kinds, hash unit and exactness."""
     if not groups.get("hybrid"):
         return "1"
-    kinds = "+".join(_KIND_SHORT.get(g["kind"], g["kind"] or "?")
-                     for g in groups.get("kv_cache_groups", []))
-    exact = "exact" if groups.get("exact") else \
-        "lower bound: " + ",".join(groups.get("inexact_reasons", []))
+    kinds = "+".join(
+        _KIND_SHORT.get(g["kind"], g["kind"] or "?") for g in groups.get("kv_cache_groups", [])
+    )
+    exact = (
+        "exact"
+        if groups.get("exact")
+        else "lower bound: " + ",".join(groups.get("inexact_reasons", []))
+    )
     return f"{kinds} h{groups.get('hash_unit')} {exact}"
 
 
@@ -113,8 +147,15 @@ def _instance_problem(inst: dict[str, Any]) -> str:
 
 
 def _master_row(m: dict[str, Any]) -> list[str]:
-    return [m["url"], _num(m["keys"]), _num(m["keys_unparsed"]), m["sample_unparsed"] or "-",
-            _secs(m["age_s"]), "yes" if m["stale"] else "no", m["error"] or "-"]  # fmt: skip
+    return [
+        m["url"],
+        _num(m["keys"]),
+        _num(m["keys_unparsed"]),
+        m["sample_unparsed"] or "-",
+        _secs(m["age_s"]),
+        "yes" if m["stale"] else "no",
+        m["error"] or "-",
+    ]
 
 
 def _master_problem(m: dict[str, Any]) -> str:

@@ -76,11 +76,22 @@ class Processes:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-              stdout: int | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        stdout: int | None = None,
+    ) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, stdout=stdout or log, stderr=log, env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=stdout or log,
+            stderr=log,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs.append((name, proc))
         logger.info("started %s (pid %d): logs in %s", name, proc.pid, log.name)
         return proc
@@ -106,20 +117,32 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
-def _write_config(workdir: Path, redis_port: int, api_port: int, master_port: int,
-                  with_l3: bool) -> Path:
+def _write_config(
+    workdir: Path, redis_port: int, api_port: int, master_port: int, with_l3: bool
+) -> Path:
     cfg: dict[str, Any] = {
         "http": {"addr": f"127.0.0.1:{api_port}", "workers": 2},
         "log": {"level": "info"},
         "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
-        "discovery": {"mode": "static", "static": {
-            "vllm": [{"ip": ip, "name": name, "zmqEndpoint": f"ipc://{workdir}/{name}.pub",
-                      "replayEndpoint": f"ipc://{workdir}/{name}.replay"}
-                     for name, ip in _all_pods()],
-            "mooncakeMasters": [{"url": f"http://127.0.0.1:{master_port}"}] if with_l3 else [],
-        }},
-        "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "200ms", "backoffMax": "5s"},
-                   "l3": {"pollInterval": "2s", "httpTimeout": "2s"}},
+        "discovery": {
+            "mode": "static",
+            "static": {
+                "vllm": [
+                    {
+                        "ip": ip,
+                        "name": name,
+                        "zmqEndpoint": f"ipc://{workdir}/{name}.pub",
+                        "replayEndpoint": f"ipc://{workdir}/{name}.replay",
+                    }
+                    for name, ip in _all_pods()
+                ],
+                "mooncakeMasters": [{"url": f"http://127.0.0.1:{master_port}"}] if with_l3 else [],
+            },
+        },
+        "ingest": {
+            "l1": {"topic": "kv-events", "backoffInitial": "200ms", "backoffMax": "5s"},
+            "l3": {"pollInterval": "2s", "httpTimeout": "2s"},
+        },
     }
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
@@ -137,34 +160,51 @@ def _example(workdir: Path) -> tuple[list[int], dict[str, list[str]]]:
     so the example answers L1 ≈ 1.0 / L3 0.0 for pod A and L1 0.0 / L3 0.75 for pod B.
     """
     hasher = BlockHasher(HashSettings())
-    pools = {name: Workload("mixed", block_size=BLOCK_SIZE, seed=seed, **WORKLOAD).pool
-             for name, _, _, seed in PODS}
+    pools = {
+        name: Workload("mixed", block_size=BLOCK_SIZE, seed=seed, **WORKLOAD).pool
+        for name, _, _, seed in PODS
+    }
     example = list(pools["pod-a"][0].token_ids)
     digests = hasher.digests(example, BLOCK_SIZE)
     others = {d for r in pools["pod-a"][1:6] for d in hasher.digests(list(r.token_ids), BLOCK_SIZE)}
     # A key is stored once, by whoever puts it first: keep pod A off the example's blocks.
-    puts = {"pod-a": sorted(d.hex() for d in others - set(digests)),
-            "pod-b": [d.hex() for d in digests[: max(1, len(digests) * 3 // 4)]]}
+    puts = {
+        "pod-a": sorted(d.hex() for d in others - set(digests)),
+        "pod-b": [d.hex() for d in digests[: max(1, len(digests) * 3 // 4)]],
+    }
     return example, puts
 
 
-def _start_l3_side(procs: Processes, workdir: Path, config: Path, master_port: int,
-                   puts: dict[str, list[str]], engine: str) -> bool:
+def _start_l3_side(
+    procs: Processes,
+    workdir: Path,
+    config: Path,
+    master_port: int,
+    puts: dict[str, list[str]],
+    engine: str,
+) -> bool:
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("mooncake_master"):
-        logger.warning("L3 side left out: needs root, unshare and the Mooncake wheel "
-                       "(scripts/setup.sh installs it); L3 ratios will be 0")
+        logger.warning(
+            "L3 side left out: needs root, unshare and the Mooncake wheel "
+            "(scripts/setup.sh installs it); L3 ratios will be 0"
+        )
         return False
     for name, _, _, _ in PODS:
         spec: dict[str, Any] = {"model": MODEL, "tp": 1}
         if engine == "vllm-ascend":
             spec.update(ASCEND[name][1])
         (workdir / f"{name}.blocks.json").write_text(
-            json.dumps({**spec, "hashes": puts[name]}), encoding="utf-8")
-    inner = _cli("local-stack", "--l3-side", "--workdir", str(workdir),
-                 "--master-port", str(master_port))
+            json.dumps({**spec, "hashes": puts[name]}), encoding="utf-8"
+        )
+    inner = _cli(
+        "local-stack", "--l3-side", "--workdir", str(workdir), "--master-port", str(master_port)
+    )
     script = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in inner)
-    env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config),
-               CACHE_INDEXER_REDIS_URL=f"unix://{workdir}/redis.sock?db=0")
+    env = dict(
+        os.environ,
+        CACHE_INDEXER_CONFIG=str(config),
+        CACHE_INDEXER_REDIS_URL=f"unix://{workdir}/redis.sock?db=0",
+    )
     procs.spawn("l3-netns", ["unshare", "-n", "sh", "-c", script], env=env)
     return True
 
@@ -174,16 +214,34 @@ def _run_l3_side(workdir: Path, master_port: int, stop: threading.Event) -> int:
     procs = Processes(workdir)
     rpc = f"127.0.0.1:{master_port + 1}"
     try:
-        procs.spawn("mooncake-master", [
-            shutil.which("mooncake_master") or "mooncake_master", "--rpc_address=127.0.0.1",
-            f"--rpc_port={master_port + 1}", "--metrics_host=127.0.0.1",
-            f"--metrics_port={master_port}", "--enable_metric_reporting=false",
-            "--logtostderr"])
+        procs.spawn(
+            "mooncake-master",
+            [
+                shutil.which("mooncake_master") or "mooncake_master",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={master_port + 1}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={master_port}",
+                "--enable_metric_reporting=false",
+                "--logtostderr",
+            ],
+        )
         _wait_http(f"http://127.0.0.1:{master_port}/health", 30, stop)
         for name, ip, _, _ in PODS:
-            procs.spawn(f"mooncake-{name}", [
-                sys.executable, "-m", "services.tools.mooncake_pods", "--ip", ip,
-                "--master", rpc, "--blocks", str(workdir / f"{name}.blocks.json")])
+            procs.spawn(
+                f"mooncake-{name}",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.tools.mooncake_pods",
+                    "--ip",
+                    ip,
+                    "--master",
+                    rpc,
+                    "--blocks",
+                    str(workdir / f"{name}.blocks.json"),
+                ],
+            )
         procs.spawn("l3-poll", _cli("l3-poll"))
         while not stop.wait(1.0):
             if procs.dead():
@@ -210,22 +268,51 @@ def _wait_http(url: str, timeout: float, stop: threading.Event) -> httpx.Respons
 def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[list[int], bool]:
     redis_port, master_port = args.redis_port, args.master_port
     example, puts = _example(workdir)
-    procs.spawn("redis", [shutil.which("redis-server") or "redis-server", "--port",
-                          str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                          "no", "--unixsocket", str(workdir / "redis.sock"),
-                          "--unixsocketperm", "700", "--dir", str(workdir)])
+    procs.spawn(
+        "redis",
+        [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--unixsocket",
+            str(workdir / "redis.sock"),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(workdir),
+        ],
+    )
     config = _write_config(workdir, redis_port, args.port, master_port, True)
     env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config))
     for name, _, version, seed in PODS:
         if args.engine == "vllm-ascend":
             version = ASCEND[name][0]
-        procs.spawn(name, _simulator(workdir, name, version, seed, "--engine", args.engine),
-                    env=env)
+        procs.spawn(
+            name, _simulator(workdir, name, version, seed, "--engine", args.engine), env=env
+        )
     prompt = workdir / "example-prompt.json"
     prompt.write_text(json.dumps(example), encoding="utf-8")
     for name, _, version, seed, shape in HYBRID_PODS:
-        procs.spawn(name, _simulator(workdir, name, version, seed, "--model-shape", shape,
-                                     "--warm-prompt-file", str(prompt)), env=env)
+        procs.spawn(
+            name,
+            _simulator(
+                workdir,
+                name,
+                version,
+                seed,
+                "--model-shape",
+                shape,
+                "--warm-prompt-file",
+                str(prompt),
+            ),
+            env=env,
+        )
     procs.spawn("discovery", _cli("discovery"), env=env)
     procs.spawn("l1-ingest", _cli("l1-ingest"), env=env)
     procs.spawn("api", _cli("api"), env=env)
@@ -237,12 +324,31 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[l
 
 def _simulator(workdir: Path, name: str, version: str, seed: int, *extra: str) -> list[str]:
     return _cli(
-        "simulate-vllm", *extra, "--endpoint", f"ipc://{workdir}/{name}.pub",
-        "--replay-endpoint", f"ipc://{workdir}/{name}.replay", "--topic", "kv-events",
-        "--vllm-version", version, "--block-size", str(BLOCK_SIZE), "--num-blocks", "8192",
-        "--rate", "2", "--seed", str(seed), "--prompts", str(WORKLOAD["prompts"]),
-        "--prompt-len", str(WORKLOAD["prompt_len"]),
-        "--state-file", str(workdir / f"{name}.state.json"))
+        "simulate-vllm",
+        *extra,
+        "--endpoint",
+        f"ipc://{workdir}/{name}.pub",
+        "--replay-endpoint",
+        f"ipc://{workdir}/{name}.replay",
+        "--topic",
+        "kv-events",
+        "--vllm-version",
+        version,
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-blocks",
+        "8192",
+        "--rate",
+        "2",
+        "--seed",
+        str(seed),
+        "--prompts",
+        str(WORKLOAD["prompts"]),
+        "--prompt-len",
+        str(WORKLOAD["prompt_len"]),
+        "--state-file",
+        str(workdir / f"{name}.state.json"),
+    )
 
 
 def expected_hybrid_hits(workdir: Path, example: list[int]) -> dict[str, int]:
@@ -262,15 +368,23 @@ def expected_hybrid_hits(workdir: Path, example: list[int]) -> dict[str, int]:
 def _filled(scores: dict[str, Any], with_l3: bool, expected: dict[str, int]) -> bool:
     """Pod A's L1, pod B's L3 and every hybrid pod's expected L1 hit are answered."""
     a, b = (scores.get(PODS[i][1], {}) for i in (0, 1))
-    return a.get("l1_hit_ratio", 0) > 0 and (not with_l3 or b.get("l3_hit_ratio", 0) > 0) \
-        and all(hit > 0 and scores.get(ip, {}).get("l1_hit_ratio", 0) > 0
-                for ip, hit in expected.items())
+    return (
+        a.get("l1_hit_ratio", 0) > 0
+        and (not with_l3 or b.get("l3_hit_ratio", 0) > 0)
+        and all(
+            hit > 0 and scores.get(ip, {}).get("l1_hit_ratio", 0) > 0
+            for ip, hit in expected.items()
+        )
+    )
 
 
-def _show_example(port: int, example: list[int], with_l3: bool, workdir: Path,
-                  stop: threading.Event) -> Any:
-    request = {"server_ip": [ip for _, ip in _all_pods()],
-               "body": {"token_ids": example, "cache_salt": "", "block_size": BLOCK_SIZE}}
+def _show_example(
+    port: int, example: list[int], with_l3: bool, workdir: Path, stop: threading.Event
+) -> Any:
+    request = {
+        "server_ip": [ip for _, ip in _all_pods()],
+        "body": {"token_ids": example, "cache_salt": "", "block_size": BLOCK_SIZE},
+    }
     path = workdir / "example-request.json"
     path.write_text(json.dumps(request), encoding="utf-8")
     _wait_http(f"http://127.0.0.1:{port}/readyz", 60, stop)
@@ -285,26 +399,34 @@ def _show_example(port: int, example: list[int], with_l3: bool, workdir: Path,
         if _filled(scores, with_l3, expected):
             break
         stop.wait(0.5)
-    truth = ", ".join(f"{name} ({shape}, {ip}) {expected.get(ip, 0)} tokens"
-                      for name, ip, _, _, shape in HYBRID_PODS)
-    print(f"\nexample request: {path}\n  curl -s -X POST {url} -H 'Content-Type: "
-          f"application/json' -d @{path}\nanswer: {json.dumps(answer)}\n"
-          f"expected hybrid L1 hits (vLLM's rule over the simulators' groups): {truth}\n",
-          flush=True)
+    truth = ", ".join(
+        f"{name} ({shape}, {ip}) {expected.get(ip, 0)} tokens"
+        for name, ip, _, _, shape in HYBRID_PODS
+    )
+    print(
+        f"\nexample request: {path}\n  curl -s -X POST {url} -H 'Content-Type: "
+        f"application/json' -d @{path}\nanswer: {json.dumps(answer)}\n"
+        f"expected hybrid L1 hits (vLLM's rule over the simulators' groups): {truth}\n",
+        flush=True,
+    )
     return answer
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="cache-indexer local-stack",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="cache-indexer local-stack", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--workdir", default=".local-stack")
     p.add_argument("--port", type=int, default=28080, help="API port on 127.0.0.1")
     p.add_argument("--redis-port", type=int, default=26379)
     p.add_argument("--master-port", type=int, default=29003, help="Mooncake admin port (+1: RPC)")
     p.add_argument("--duration", type=float, default=0, help="stop after N seconds (0 = Ctrl-C)")
-    p.add_argument("--engine", choices=ENGINES,
-                   default=os.environ.get("LOCAL_STACK_ENGINE") or "vllm",
-                   help="what the simulated pods play (default $LOCAL_STACK_ENGINE or vllm)")
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=os.environ.get("LOCAL_STACK_ENGINE") or "vllm",
+        help="what the simulated pods play (default $LOCAL_STACK_ENGINE or vllm)",
+    )
     p.add_argument("--l3-side", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logs.configure("info")

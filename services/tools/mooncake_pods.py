@@ -45,8 +45,11 @@ def block_keys(spec: dict[str, object], digest_hex: str) -> list[str]:
         return [vllm_store_key(model, rank, digest_hex) for rank in range(tp)]
     form = str(spec.get("form", "A"))
     layers = range(int(spec.get("layers", 1))) if form.endswith("LW") else range(1)  # type: ignore[call-overload]
-    return [ascend_store_key(model, head, digest_hex, form=form, layer=layer)
-            for head in range(tp) for layer in layers]
+    return [
+        ascend_store_key(model, head, digest_hex, form=form, layer=layer)
+        for head in range(tp)
+        for layer in layers
+    ]
 
 
 def put_blocks(store: object, segment: str, spec: dict[str, object]) -> int:
@@ -67,8 +70,11 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m services.tools.mooncake_pods")
     p.add_argument("--ip", required=True, help="the pod IP this client's segment is named after")
     p.add_argument("--master", required=True, help="Mooncake master RPC address host:port")
-    p.add_argument("--blocks", required=True,
-                   help="JSON file: model, tp, hashes (64-hex)[, engine, form, layers]")
+    p.add_argument(
+        "--blocks",
+        required=True,
+        help="JSON file: model, tp, hashes (64-hex)[, engine, form, layers]",
+    )
     args = p.parse_args(argv)
     logs.configure("info")
     from mooncake.store import MooncakeDistributedStore
@@ -81,8 +87,13 @@ def main(argv: list[str]) -> int:
         return 1
     segment = store.get_hostname()
     failed = put_blocks(store, segment, spec)
-    logger.info("pod %s (segment %s): put %d blocks, %d failures", args.ip, segment,
-                len(spec["hashes"]), failed)
+    logger.info(
+        "pod %s (segment %s): put %d blocks, %d failures",
+        args.ip,
+        segment,
+        len(spec["hashes"]),
+        failed,
+    )
     print("ready", flush=True)
     stop = threading.Event()
     install_signal_handlers(stop)

@@ -41,30 +41,55 @@ from tests.integration.mooncake_driver import (  # noqa: E402
 LAYERS = 6
 
 
-def keys(tokens: list[int], model: str, form: str, heads: int = 2,
-         skip: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
+def keys(
+    tokens: list[int],
+    model: str,
+    form: str,
+    heads: int = 2,
+    skip: tuple[tuple[int, int, int], ...] = (),
+) -> list[str]:
     """Every (block, head[, layer]) key of a prompt but those in ``skip``."""
     layers = range(LAYERS) if form.endswith("LW") else range(1)
-    return [ascend_store_key(model, h, d.hex(), form=form, layer=ly)
-            for b, d in enumerate(HASHER.digests(tokens, BLOCK)) for h in range(heads)
-            for ly in layers if (b, h, ly) not in skip]
+    return [
+        ascend_store_key(model, h, d.hex(), form=form, layer=ly)
+        for b, d in enumerate(HASHER.digests(tokens, BLOCK))
+        for h in range(heads)
+        for ly in layers
+        if (b, h, ly) not in skip
+    ]
 
 
 class AscendScenario(Scenario):
     def start(self) -> None:
         super().start()
         self.api = reserve_port()
-        self._spawn([sys.executable, "-m", "services.cli", "api", "--config",
-                     str(self.tmp / "config.yaml"), "--bind", f"127.0.0.1:{self.api}",
-                     "--workers", "1"], "api.log",
-                    {**os.environ, "PYTHONPATH": str(ROOT)})
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{self.api}/readyz").status_code == 200,
-                 timeout=30, what="the API")
+        self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "api",
+                "--config",
+                str(self.tmp / "config.yaml"),
+                "--bind",
+                f"127.0.0.1:{self.api}",
+                "--workers",
+                "1",
+            ],
+            "api.log",
+            {**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        wait_for(
+            lambda: httpx.get(f"http://127.0.0.1:{self.api}/readyz").status_code == 200,
+            timeout=30,
+            what="the API",
+        )
 
     def hit_rate(self, tokens: list[int]) -> dict[str, float]:
         body = {"server_ip": [A, B, C], "body": {"token_ids": tokens, "block_size": BLOCK}}
-        answer = httpx.post(f"http://127.0.0.1:{self.api}/kv-cache/hit-rate", json=body,
-                            timeout=10).json()
+        answer = httpx.post(
+            f"http://127.0.0.1:{self.api}/kv-cache/hit-rate", json=body, timeout=10
+        ).json()
         return {s["server_ip"]: s["l3_hit_ratio"] for s in answer["server_score_list"]}
 
     def run(self) -> None:
@@ -72,11 +97,11 @@ class AscendScenario(Scenario):
         p1, p2, p3, p4 = prompt(11, 8), prompt(12, 6), prompt(13, 4), prompt(14, 4)
         puts: list[int] = []
         # pod A: a TP2 vllm-ascend v0.18 deployment; block 5 lost head 1's key
-        puts += pod_a.call("put", keys(p1, "Qwen2.5-7B-Instruct", "A", skip=((5, 1, 0),)),
-                           pin=True)
+        puts += pod_a.call("put", keys(p1, "Qwen2.5-7B-Instruct", "A", skip=((5, 1, 0),)), pin=True)
         # pod B: a TP2 layer-wise v0.21+ deployment; block 3 lost layer 4 of head 1
-        puts += pod_b.call("put", keys(p2, "Qwen2.5-0.5B-Instruct", "E-LW", skip=((3, 1, 4),)),
-                           pin=True)
+        puts += pod_b.call(
+            "put", keys(p2, "Qwen2.5-0.5B-Instruct", "E-LW", skip=((3, 1, 4),)), pin=True
+        )
         # v0.20.2 layer-wise (the layer id after the hash), complete, on A
         puts += pod_a.call("put", keys(p4, "Qwen2.5-0.5B-Instruct", "C-LW"), pin=True)
         # v0.20.2 normal TP2 with each head on another pod's segment
@@ -91,8 +116,9 @@ class AscendScenario(Scenario):
         # one more key goes: block 1 of the cross-pod deployment loses head 1
         self.out["remove"] = pod_b.call("remove", [p3_keys[3]])
         # and the missing layer of p2 arrives: the whole prompt is complete
-        missing = ascend_store_key("Qwen2.5-0.5B-Instruct", 1,
-                                   HASHER.digests(p2, BLOCK)[3].hex(), form="E-LW", layer=4)
+        missing = ascend_store_key(
+            "Qwen2.5-0.5B-Instruct", 1, HASHER.digests(p2, BLOCK)[3].hex(), form="E-LW", layer=4
+        )
         self.out["put_missing"] = pod_b.call("put", [missing], pin=True)
         self.settle()
         self.out["p2_after"], self.out["p3_after"] = self.hit_rate(p2), self.hit_rate(p3)
@@ -109,8 +135,9 @@ def main() -> int:
             scenario.run()
         except Exception as exc:  # noqa: BLE001 - reported to the test with the logs
             out["error"] = repr(exc)
-            out["logs"] = {p.name: p.read_text(errors="replace")[-3000:]
-                           for p in Path(tmp).glob("*.log")}
+            out["logs"] = {
+                p.name: p.read_text(errors="replace")[-3000:] for p in Path(tmp).glob("*.log")
+            }
         finally:
             scenario.stop()
         print(json.dumps(out), flush=True)

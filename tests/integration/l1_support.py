@@ -26,8 +26,12 @@ from services.simulator.engine import SimulatedVLLM
 from tests.conftest import ROOT, wait_for
 
 FAST = {
-    "backoffInitial": "20ms", "backoffMax": "200ms", "topic": "kv-events",
-    "leaseTTL": "1s", "heartbeatInterval": "200ms", "replayTimeout": "1s",
+    "backoffInitial": "20ms",
+    "backoffMax": "200ms",
+    "topic": "kv-events",
+    "leaseTTL": "1s",
+    "heartbeatInterval": "200ms",
+    "replayTimeout": "1s",
 }
 
 
@@ -35,26 +39,34 @@ def l1_config(hash_settings: HashSettings | None = None, **overrides: str) -> L1
     raw = {**FAST, **overrides}
     return L1IngestSettings(
         backoff_initial=parse_duration(raw["backoffInitial"]),
-        backoff_max=parse_duration(raw["backoffMax"]), topic=raw["topic"],
+        backoff_max=parse_duration(raw["backoffMax"]),
+        topic=raw["topic"],
         on_unrecoverable_gap=raw.get("onUnrecoverableGap", "keep"),  # type: ignore[arg-type]
         lease_ttl=parse_duration(raw["leaseTTL"]),
         heartbeat_interval=parse_duration(raw["heartbeatInterval"]),
         replay_timeout=parse_duration(raw["replayTimeout"]),
         hash_check_rate=int(raw.get("hashCheckRate", "1000")),
         no_events_after=parse_duration(raw.get("noEventsAfter", "30s")),
-        hash=hash_settings or HashSettings())
+        hash=hash_settings or HashSettings(),
+    )
 
 
 class InProcessIngester:
     """Subscriber + static assignment loop in threads of the test process."""
 
-    def __init__(self, client: redis.Redis, hash_settings: HashSettings | None = None,
-                 **overrides: str) -> None:
+    def __init__(
+        self, client: redis.Redis, hash_settings: HashSettings | None = None, **overrides: str
+    ) -> None:
         self.store = Store(client)
         self.metrics = IngestMetrics()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.subscriber = Subscriber(self.store, l1_config(hash_settings, **overrides),
-                                     self.metrics, ctx=self.ctx, ingester="in-process")
+        self.subscriber = Subscriber(
+            self.store,
+            l1_config(hash_settings, **overrides),
+            self.metrics,
+            ctx=self.ctx,
+            ingester="in-process",
+        )
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._assign, daemon=True)]
         self.threads[0].start()
@@ -72,14 +84,22 @@ class InProcessIngester:
     def resume(self) -> None:
         """Run the same Subscriber again; the assignment loop hands it its instances."""
         self._sub_stop = threading.Event()
-        self._sub_thread = threading.Thread(target=self.subscriber.run, args=(self._sub_stop,),
-                                            daemon=True)
+        self._sub_thread = threading.Thread(
+            target=self.subscriber.run, args=(self._sub_stop,), daemon=True
+        )
         self._sub_thread.start()
 
     def _assign(self) -> None:
         from common.lifecycle import Backoff
-        run_assignment(self.stop, self.store, StaticAssigner(0, 1),
-                       self.subscriber.set_instances, interval=0.05, backoff=Backoff(0.05, 0.2))
+
+        run_assignment(
+            self.stop,
+            self.store,
+            StaticAssigner(0, 1),
+            self.subscriber.set_instances,
+            interval=0.05,
+            backoff=Backoff(0.05, 0.2),
+        )
 
     def count(self, metric: str, **labels: str) -> float:
         return float(getattr(self.metrics, metric).value(**labels))
@@ -93,29 +113,47 @@ class InProcessIngester:
 
 
 def write_config(path: Path, redis_url: str, **overrides: str) -> Path:
-    doc: dict[str, Any] = {"redis": {"url": redis_url}, "ingest": {"l1": {**FAST, **overrides}},
-                           "log": {"level": "info"}}
+    doc: dict[str, Any] = {
+        "redis": {"url": redis_url},
+        "ingest": {"l1": {**FAST, **overrides}},
+        "log": {"level": "info"},
+    }
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     return path
 
 
-def spawn_ingester(config: Path, env: dict[str, str], *args: str,
-                   log: Path | None = None) -> subprocess.Popen[bytes]:
+def spawn_ingester(
+    config: Path, env: dict[str, str], *args: str, log: Path | None = None
+) -> subprocess.Popen[bytes]:
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config), *args],
-        cwd=ROOT, env=env, stdout=out, stderr=out)
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=out,
+    )
 
 
-def register(store: Store, ip: str, sim: SimulatedVLLM, uid: str = "uid-1",
-             restarts: str = "0") -> int:
+def register(
+    store: Store, ip: str, sim: SimulatedVLLM, uid: str = "uid-1", restarts: str = "0"
+) -> int:
     """Register ``sim`` under ``ip`` with its connect-side endpoints; returns the gen."""
+
     def connectable(endpoint: str) -> str:
         return endpoint.replace("*", "127.0.0.1")
-    _, gen = store.upsert_instance(Instance(
-        ip=ip, uid=uid, pod=f"vllm-{ip}", zmq_endpoint=connectable(sim.endpoint),
-        replay_endpoint=connectable(sim.replay_endpoint), dp_size=len(sim.ranks),
-        restarts=restarts))
+
+    _, gen = store.upsert_instance(
+        Instance(
+            ip=ip,
+            uid=uid,
+            pod=f"vllm-{ip}",
+            zmq_endpoint=connectable(sim.endpoint),
+            replay_endpoint=connectable(sim.replay_endpoint),
+            dp_size=len(sim.ranks),
+            restarts=restarts,
+        )
+    )
     return gen
 
 
@@ -129,8 +167,11 @@ def true_counts(sim: SimulatedVLLM) -> Counter[int]:
 def wait_quiet(store: Store, ip: str, sim: SimulatedVLLM, timeout: float = 10.0) -> None:
     """Wait until every rank's last applied sequence is the simulator's last sequence."""
     sim.flush()
-    wait_for(lambda: all(store.last_seq(ip, r) == sim.last_seq(r) for r in sim.ranks),
-             timeout=timeout, what=f"{ip} to catch up with the simulator")
+    wait_for(
+        lambda: all(store.last_seq(ip, r) == sim.last_seq(r) for r in sim.ranks),
+        timeout=timeout,
+        what=f"{ip} to catch up with the simulator",
+    )
 
 
 def assert_exact(store: Store, ip: str, sim: SimulatedVLLM) -> None:

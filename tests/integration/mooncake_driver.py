@@ -44,8 +44,10 @@ POLL, STALE, TTL = 0.3, 4.0, 2
 
 
 def keys_of(tokens: list[int], model: str = "Qwen2.5-0.5B-Instruct", tp: int = 0) -> list[str]:
-    return [f"{model}@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{d.hex()}"
-            for d in HASHER.digests(tokens, BLOCK)]
+    return [
+        f"{model}@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:0@{d.hex()}"
+        for d in HASHER.digests(tokens, BLOCK)
+    ]
 
 
 def prompt(seed: int, blocks: int) -> list[int]:
@@ -53,6 +55,7 @@ def prompt(seed: int, blocks: int) -> list[int]:
 
 
 # -- a store client ("pod") -------------------------------------------------------------
+
 
 def client_main(host: str, master: str) -> None:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -79,7 +82,11 @@ class Pod:
         self.host = host
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "client", "--host", host, "--master", master],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"), text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("wb"),
+            text=True,
+        )
         self.hello = self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -98,6 +105,7 @@ class Pod:
 
 # -- the scenario -----------------------------------------------------------------------
 
+
 class Scenario:
     def __init__(self, scope: str, tmp: Path) -> None:
         self.scope, self.tmp = scope, tmp
@@ -110,11 +118,20 @@ class Scenario:
         rpc, admin = reserve_port(), reserve_port()
         self.master_url = f"http://127.0.0.1:{admin}"
         self.master = self._spawn(
-            ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-             "--metrics_host=127.0.0.1", f"--metrics_port={admin}",
-             "--enable_metric_reporting=false", f"--client_ttl={TTL}"], "master.log")
-        wait_for(lambda: httpx.get(self.master_url + "/health").status_code == 200,
-                 what="master /health")
+            [
+                "mooncake_master",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={admin}",
+                "--enable_metric_reporting=false",
+                f"--client_ttl={TTL}",
+            ],
+            "master.log",
+        )
+        wait_for(
+            lambda: httpx.get(self.master_url + "/health").status_code == 200, what="master /health"
+        )
         self.pods = {ip: Pod(ip, f"127.0.0.1:{rpc}", self.tmp / f"pod-{ip}.log") for ip in (A, B)}
         self.out["setup"] = {ip: p.hello for ip, p in self.pods.items()}
         for ip in (A, B, C):
@@ -126,15 +143,30 @@ class Scenario:
             f"redis:\n  url: {self.redis.url}\n"
             f"discovery:\n  segmentsFetchTimeout: 1s\n"
             f"ingest:\n  l3:\n    scope: {self.scope}\n    pollInterval: {int(POLL * 1000)}ms\n"
-            f"    httpTimeout: 1s\n    staleAfter: {int(STALE * 1000)}ms\n    batchSize: 4\n")
+            f"    httpTimeout: 1s\n    staleAfter: {int(STALE * 1000)}ms\n    batchSize: 4\n"
+        )
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self._spawn([sys.executable, "-m", "services.cli", "l3-poll", "--config", str(cfg),
-                     "--metrics-port", str(self.metrics_port)], "poller.log", env)
+        self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "l3-poll",
+                "--config",
+                str(cfg),
+                "--metrics-port",
+                str(self.metrics_port),
+            ],
+            "poller.log",
+            env,
+        )
 
-    def _spawn(self, argv: list[str], log: str, env: dict[str, str] | None = None
-               ) -> subprocess.Popen[Any]:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
-                                stderr=(self.tmp / log).open("wb"), env=env)
+    def _spawn(
+        self, argv: list[str], log: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[Any]:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=(self.tmp / log).open("wb"), env=env
+        )
         self.procs.append(proc)
         return proc
 
@@ -154,10 +186,14 @@ class Scenario:
         """Wait until the poller has finished ``polls`` polls (and their Redis writes)
         since now. Counted with the writer's metric, not ``updated_ms``: an unchanged set
         is not rewritten, so its state hash does not move."""
-        mark = wait_for(lambda: (self.counter("write_seconds_count"),),
-                        what="the poller's metrics")[0]
-        wait_for(lambda: self.counter("write_seconds_count") >= mark + polls, timeout=15 * polls,
-                 what=f"{polls} polls")
+        mark = wait_for(
+            lambda: (self.counter("write_seconds_count"),), what="the poller's metrics"
+        )[0]
+        wait_for(
+            lambda: self.counter("write_seconds_count") >= mark + polls,
+            timeout=15 * polls,
+            what=f"{polls} polls",
+        )
 
     def ratios(self, tokens: list[int]) -> dict[str, float]:
         """The hit-rate API's L3 read: longest run from block 0, over the block count."""
@@ -167,9 +203,11 @@ class Scenario:
 
     def counter(self, name: str) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith((f"cache_indexer_l3_{name}{{",
-                                       f"cache_indexer_l3_{name} ")))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((f"cache_indexer_l3_{name}{{", f"cache_indexer_l3_{name} "))
+        )
 
     def run(self) -> None:
         p1, p2, p3 = prompt(1, 8), prompt(2, 6), prompt(3, 8)
@@ -179,8 +217,9 @@ class Scenario:
         self.settle()
         self.out["p1"] = self.ratios(p1)
         # 2. a TP=2 model: rank 0 on A, rank 1 on B; then one rank-1 shard is lost
-        self.out["put_p2"] = (pod_a.call("put", keys_of(p2, "TP2-Model", 0), pin=True)
-                              + pod_b.call("put", keys_of(p2, "TP2-Model", 1), pin=True))
+        self.out["put_p2"] = pod_a.call("put", keys_of(p2, "TP2-Model", 0), pin=True) + pod_b.call(
+            "put", keys_of(p2, "TP2-Model", 1), pin=True
+        )
         self.settle()
         self.out["p2_full"] = self.ratios(p2)
         self.out["remove"] = pod_b.call("remove", [keys_of(p2, "TP2-Model", 1)[3]])
@@ -191,8 +230,7 @@ class Scenario:
         self.settle()
         self.out["p3"] = self.ratios(p3)
         p3_ints = HASHER.event_ints(p3, BLOCK)
-        self.out["p3_on"] = {ip: [h in self.store.l3_members(ip) for h in p3_ints]
-                             for ip in (A, B)}
+        self.out["p3_on"] = {ip: [h in self.store.l3_members(ip) for h in p3_ints] for ip in (A, B)}
         # steady state: further polls locate nothing
         located = self.counter("keys_located_total")
         self.settle(3)
@@ -205,24 +243,40 @@ class Scenario:
         pod_b = self.pods[B]
         pod_b.proc.send_signal(signal.SIGKILL)
         seg_b = self.out["setup"][B]["hostname"]
-        wait_for(lambda: seg_b not in httpx.get(self.master_url + "/get_all_segments").text,
-                 timeout=TTL + 30, what="the killed client's segment to go")
+        wait_for(
+            lambda: seg_b not in httpx.get(self.master_url + "/get_all_segments").text,
+            timeout=TTL + 30,
+            what="the killed client's segment to go",
+        )
         self.settle()
-        self.out["after_kill"] = {"p1": self.ratios(p1), "p2": self.ratios(p2),
-                                  "p3": self.ratios(p3), "b_members": len(self.store.l3_members(B))}
+        self.out["after_kill"] = {
+            "p1": self.ratios(p1),
+            "p2": self.ratios(p2),
+            "p3": self.ratios(p3),
+            "b_members": len(self.store.l3_members(B)),
+        }
         self.out["p3_exists_after_kill"] = self.pods[A].call("exist", keys_of(p3))
         # the master stops: state kept through failed polls until staleAfter, then dropped
         # and flagged (seen by polling, not by timing it)
         errors = self.counter("errors_total")
         self.master.terminate()
         self.master.wait(10)
-        wait_for(lambda: self.counter("errors_total") > errors, timeout=30,
-                 what="a failed poll of the stopped master")
+        wait_for(
+            lambda: self.counter("errors_total") > errors,
+            timeout=30,
+            what="a failed poll of the stopped master",
+        )
         self.out["after_stop"] = {"p1": self.ratios(p1), "state": self.store.l3_state(A)}
-        wait_for(lambda: self.store.l3_state(A).get("stale") == "1", timeout=STALE + 30,
-                 what="stale flag")
-        self.out["after_stale"] = {"p1": self.ratios(p1), "state": self.store.l3_state(A),
-                                   "a_members": len(self.store.l3_members(A))}
+        wait_for(
+            lambda: self.store.l3_state(A).get("stale") == "1",
+            timeout=STALE + 30,
+            what="stale flag",
+        )
+        self.out["after_stale"] = {
+            "p1": self.ratios(p1),
+            "state": self.store.l3_state(A),
+            "a_members": len(self.store.l3_members(A)),
+        }
         self.out["errors_total"] = self.counter("errors_total")
 
 
@@ -234,8 +288,9 @@ def run_main(scope: str) -> int:
             scenario.run()
         except Exception as exc:  # noqa: BLE001 - reported to the test with the logs
             scenario.out["error"] = repr(exc)
-            scenario.out["logs"] = {p.name: p.read_text(errors="replace")[-3000:]
-                                    for p in Path(tmp).glob("*.log")}
+            scenario.out["logs"] = {
+                p.name: p.read_text(errors="replace")[-3000:] for p in Path(tmp).glob("*.log")
+            }
         finally:
             scenario.stop()
         print(json.dumps(scenario.out), flush=True)

@@ -34,8 +34,12 @@ def _workers(api: Api) -> set[int]:
 
 def _count(api: Api, path: str, status: str) -> float:
     text = httpx.get(f"{api.url}/metrics").text
-    m = re.search(rf'^cache_indexer_api_requests_total\{{path="{re.escape(path)}",'
-                  rf'status="{status}"\}} (\S+)$', text, re.MULTILINE)
+    m = re.search(
+        rf'^cache_indexer_api_requests_total\{{path="{re.escape(path)}",'
+        rf'status="{status}"\}} (\S+)$',
+        text,
+        re.MULTILINE,
+    )
     return float(m.group(1)) if m else 0.0
 
 
@@ -54,11 +58,17 @@ def test_a_dead_workers_counts_stay_in_the_sum(api: Api) -> None:
     victim = min(served_by)  # it answered some of the n: its counts must survive it
     assert victim in _workers(api)
     os.kill(victim, signal.SIGKILL)  # no exit hook runs: only what it wrote to its files
-    wait_for(lambda: len(_workers(api)) == 2 and victim not in _workers(api), timeout=20,
-             what="gunicorn to replace the killed worker")
+    wait_for(
+        lambda: len(_workers(api)) == 2 and victim not in _workers(api),
+        timeout=20,
+        what="gunicorn to replace the killed worker",
+    )
     for _ in range(6):  # whichever worker answers, the dead one's requests are still counted
         assert _count(api, "/healthz", "200") >= n
     total = _count(api, "/healthz", "200")
     assert httpx.get(f"{api.url}/healthz").status_code == 200
-    wait_for(lambda: _count(api, "/healthz", "200") == total + 1, timeout=15,
-             what="the new worker to count on top")
+    wait_for(
+        lambda: _count(api, "/healthz", "200") == total + 1,
+        timeout=15,
+        what="the new worker to count on top",
+    )

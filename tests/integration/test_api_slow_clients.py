@@ -21,10 +21,16 @@ import pytest
 from tests.conftest import RedisServer, wait_for
 from tests.integration.test_api_gunicorn import LIMIT, MAX_CANDIDATES, PATH, Api
 
-BODY = orjson.dumps({"server_ip": ["10.3.0.1", "10.3.0.2"],
-                     "body": {"token_ids": list(range(300)), "block_size": 128}})
-HEAD = (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(BODY)}\r\n\r\n").encode()
+BODY = orjson.dumps(
+    {
+        "server_ip": ["10.3.0.1", "10.3.0.2"],
+        "body": {"token_ids": list(range(300)), "block_size": 128},
+    }
+)
+HEAD = (
+    f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(BODY)}\r\n\r\n"
+).encode()
 FAST = "  readHeaderTimeout: 1s\n  readTimeout: 2s\n  writeTimeout: 2s\n  idleTimeout: 1s\n"
 
 
@@ -56,13 +62,15 @@ def _read_until_closed(sock: socket.socket, timeout: float = 30) -> bytes:
 
 
 def _normal_request(client: httpx.Client, api: Api) -> None:
-    resp = client.post(f"{api.url}{PATH}", content=BODY,
-                       headers={"Content-Type": "application/json"})
+    resp = client.post(
+        f"{api.url}{PATH}", content=BODY, headers={"Content-Type": "application/json"}
+    )
     assert resp.status_code == 200 and resp.json()["status"] == 0
 
 
 def test_hundreds_of_stalled_connections_hold_no_thread(
-        redis_srv: RedisServer, tmp_path: Path) -> None:
+    redis_srv: RedisServer, tmp_path: Path
+) -> None:
     # Deadlines far longer than the test: the stalled connections stay open throughout.
     api = Api(tmp_path, redis_srv.url, "  readHeaderTimeout: 5m\n  readTimeout: 5m\n")
     stalled = []
@@ -89,15 +97,19 @@ def test_hundreds_of_stalled_connections_hold_no_thread(
 def test_stalled_headers_get_408_and_are_closed(fast_api: Api) -> None:
     data = _read_until_closed(_connect(fast_api, HEAD[:45]))  # the request line and a bit
     assert data.startswith(b"HTTP/1.1 408 ")
-    assert orjson.loads(data.split(b"\r\n\r\n", 1)[1]) == {"server_score_list": [], "status": 408,
-        "message": "the request headers were not received within http.readHeaderTimeout"}
+    assert orjson.loads(data.split(b"\r\n\r\n", 1)[1]) == {
+        "server_score_list": [],
+        "status": 408,
+        "message": "the request headers were not received within http.readHeaderTimeout",
+    }
 
 
 def test_stalled_body_gets_408_and_is_closed(fast_api: Api) -> None:
     data = _read_until_closed(_connect(fast_api, HEAD + BODY[:10]))
     assert data.startswith(b"HTTP/1.1 408 ")
     assert orjson.loads(data.split(b"\r\n\r\n", 1)[1])["message"] == (
-        "the request was not received within http.readTimeout")
+        "the request was not received within http.readTimeout"
+    )
 
 
 def test_trickling_headers_still_hit_the_header_deadline(fast_api: Api) -> None:
@@ -143,10 +155,15 @@ def test_slow_but_timely_request_and_pipelining_are_served(fast_api: Api) -> Non
 
 
 def test_a_client_that_does_not_read_is_cut_off_by_the_write_deadline(fast_api: Api) -> None:
-    big = orjson.dumps({"server_ip": [f"10.4.0.{i}" for i in range(MAX_CANDIDATES)] * 400,
-                        "body": {"token_ids": [], "block_size": 128}})
-    request = (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(big)}\r\n\r\n"
-               .encode() + big)
+    big = orjson.dumps(
+        {
+            "server_ip": [f"10.4.0.{i}" for i in range(MAX_CANDIDATES)] * 400,
+            "body": {"token_ids": [], "block_size": 128},
+        }
+    )
+    request = (
+        f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(big)}\r\n\r\n".encode() + big
+    )
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", fast_api.port))
@@ -165,8 +182,11 @@ def test_a_client_that_does_not_read_is_cut_off_by_the_write_deadline(fast_api: 
     sender = threading.Thread(target=send_forever, daemon=True)
     sender.start()
     try:
-        wait_for(lambda: b"its deadline passed" in fast_api.log_path.read_bytes(), timeout=60,
-                 what="the write deadline to cut off the connection")
+        wait_for(
+            lambda: b"its deadline passed" in fast_api.log_path.read_bytes(),
+            timeout=60,
+            what="the write deadline to cut off the connection",
+        )
         with httpx.Client(timeout=10) as client:  # the thread it held is free again
             _normal_request(client, fast_api)
     finally:
@@ -176,15 +196,19 @@ def test_a_client_that_does_not_read_is_cut_off_by_the_write_deadline(fast_api: 
 
 
 def test_clients_that_vanish_leave_no_error_in_the_log(
-        redis_srv: RedisServer, tmp_path: Path) -> None:
+    redis_srv: RedisServer, tmp_path: Path
+) -> None:
     api = Api(tmp_path, redis_srv.url)
     try:
-        big = orjson.dumps({"server_ip": ["10.5.0.1"] * 20000,
-                            "body": {"token_ids": [], "block_size": 128}})
+        big = orjson.dumps(
+            {"server_ip": ["10.5.0.1"] * 20000, "body": {"token_ids": [], "block_size": 128}}
+        )
         for reset in (False, True):
-            for first in (HEAD[:25], HEAD + BODY[:7],
-                          f"POST {PATH} HTTP/1.1\r\nContent-Length: {len(big)}\r\n\r\n"
-                          .encode() + big):
+            for first in (
+                HEAD[:25],
+                HEAD + BODY[:7],
+                f"POST {PATH} HTTP/1.1\r\nContent-Length: {len(big)}\r\n\r\n".encode() + big,
+            ):
                 sock = _connect(api, first)
                 if reset:  # an RST instead of a FIN
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
@@ -216,8 +240,13 @@ def test_unfinished_bodies_past_the_buffer_budget_are_shed(fast_api: Api) -> Non
 
 
 def test_chunked_body_after_100_continue_is_served(fast_api: Api) -> None:
-    sock = _connect(fast_api, (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked"
-                               "\r\nExpect: 100-continue\r\n\r\n").encode())
+    sock = _connect(
+        fast_api,
+        (
+            f"POST {PATH} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked"
+            "\r\nExpect: 100-continue\r\n\r\n"
+        ).encode(),
+    )
     sock.settimeout(30)
     assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
     half = len(BODY) // 2
@@ -230,21 +259,27 @@ def test_chunked_body_after_100_continue_is_served(fast_api: Api) -> None:
 
 
 def test_no_write_deadline_still_sends_one_100_continue(
-        redis_srv: RedisServer, tmp_path: Path) -> None:
+    redis_srv: RedisServer, tmp_path: Path
+) -> None:
     """``writeTimeout: 0`` (none): the headers are still handled once, however many reads
     the body takes — one ``100 Continue``, not one per read."""
     api = Api(tmp_path, redis_srv.url, "  writeTimeout: 0s\n  idleTimeout: 1s\n")
     try:
-        sock = _connect(api, (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: "
-                              f"application/json\r\nContent-Length: {len(BODY)}\r\n"
-                              "Expect: 100-continue\r\n\r\n").encode())
+        sock = _connect(
+            api,
+            (
+                f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(BODY)}\r\n"
+                "Expect: 100-continue\r\n\r\n"
+            ).encode(),
+        )
         sock.settimeout(30)
         assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
         third = len(BODY) // 3
-        for part in (BODY[:third], BODY[third:2 * third]):
+        for part in (BODY[:third], BODY[third : 2 * third]):
             sock.sendall(part)
             time.sleep(0.2)  # separate reads on the server (pacing, not a measurement)
-        sock.sendall(BODY[2 * third:])
+        sock.sendall(BODY[2 * third :])
         data = _read_until_closed(sock)  # the answer, then the idle deadline closes it
         assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1 100") == 0
     finally:

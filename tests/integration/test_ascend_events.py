@@ -37,8 +37,16 @@ def ascend_sim() -> Iterator[Callable[[str], SimulatedVLLM]]:
     sims: list[SimulatedVLLM] = []
 
     def make(version: str) -> SimulatedVLLM:
-        sims.append(SimulatedVLLM(f"tcp://*:{reserve_port()}", "", "kv-events",
-                                  vllm_version=version, num_blocks=48, engine="vllm-ascend"))
+        sims.append(
+            SimulatedVLLM(
+                f"tcp://*:{reserve_port()}",
+                "",
+                "kv-events",
+                vllm_version=version,
+                num_blocks=48,
+                engine="vllm-ascend",
+            )
+        )
         return sims[-1]
 
     yield make
@@ -61,24 +69,27 @@ def test_connector_event_on_the_wire_is_an_array_and_goes_to_l2() -> None:
     assert writes == [("S", "l1", 0, [u64]), ("S", "l2", 0, [u64])]
     v13 = msgpack.packb([1.5, [event[:7]], None])  # vLLM 0.13: no lora_name/extra_keys yet
     assert [op for op in plan_ops(decode_batch(v13)).ops.ops if op[0] == "S"] == [
-        ("S", "l2", 0, [u64])]
+        ("S", "l2", 0, [u64])
+    ]
 
 
 def test_connector_events_follow_the_gpu_stores() -> None:
     conn = ConnectorEvents()
-    gpu = BlockStored([b"\x00" * 24 + (7).to_bytes(8, "big"), 9], None, list(range(32)), 16,
-                      medium="GPU")
+    gpu = BlockStored(
+        [b"\x00" * 24 + (7).to_bytes(8, "big"), 9], None, list(range(32)), 16, medium="GPU"
+    )
     out = conn.after([gpu])
-    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.medium)  # type: ignore[union-attr]
-            for e in out] == [([7], None, list(range(16)), "cpu"),
-                              ([9], 7, list(range(16, 32)), "cpu")]
+    assert [
+        (e.block_hashes, e.parent_block_hash, e.token_ids, e.medium)  # type: ignore[union-attr]
+        for e in out
+    ] == [([7], None, list(range(16)), "cpu"), ([9], 7, list(range(16, 32)), "cpu")]
     assert conn.after([gpu]) == []  # already in the pool: the connector skips existing keys
 
 
 @pytest.mark.parametrize("version", ["0.13.0", "0.18.0", "0.20.2"])
 def test_ascend_stream_indexes_gpu_in_l1_and_the_pool_in_l2(
-        redis_client: redis.Redis, ascend_sim: Callable[[str], SimulatedVLLM],
-        version: str) -> None:
+    redis_client: redis.Redis, ascend_sim: Callable[[str], SimulatedVLLM], version: str
+) -> None:
     store = Store(redis_client)
     sim = ascend_sim(version)
     ing = InProcessIngester(redis_client)
@@ -100,14 +111,36 @@ def test_ascend_stream_indexes_gpu_in_l1_and_the_pool_in_l2(
         ing.close()
 
 
-def test_simulate_vllm_cli_plays_vllm_ascend(tmp_path: Path,
-                                             subprocess_env: dict[str, str]) -> None:
+def test_simulate_vllm_cli_plays_vllm_ascend(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
     state = tmp_path / "sim.json"
     sim = subprocess.run(
-        [sys.executable, "-m", "services.cli", "simulate-vllm", "--engine", "vllm-ascend",
-         "--endpoint", f"tcp://*:{reserve_port()}", "--num-blocks", "40", "--rate", "100",
-         "--duration", "1", "--state-file", str(state)],
-        check=False, cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=30)
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "simulate-vllm",
+            "--engine",
+            "vllm-ascend",
+            "--endpoint",
+            f"tcp://*:{reserve_port()}",
+            "--num-blocks",
+            "40",
+            "--rate",
+            "100",
+            "--duration",
+            "1",
+            "--state-file",
+            str(state),
+        ],
+        check=False,
+        cwd=ROOT,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert sim.returncode == 0, sim.stderr[-2000:]
     assert "simulating vllm-ascend (vLLM 0.18.0, dense)" in sim.stderr  # the paired release
     truth = json.loads(state.read_text())["ranks"]["0"]

@@ -53,28 +53,59 @@ def cluster() -> Iterator[Cluster]:
     c.cleanup()
 
 
-def _spawn(procs: list[subprocess.Popen[bytes]], env: dict[str, str], log: Path,
-           *args: str) -> None:
+def _spawn(
+    procs: list[subprocess.Popen[bytes]], env: dict[str, str], log: Path, *args: str
+) -> None:
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT,
-                                  env=env, stdout=out, stderr=out))
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+    )
 
 
-def _write_config(path: Path, cluster: Cluster, api: int, pods: dict[str, tuple[int, int]],
-                  master: FakeMaster) -> None:
-    path.write_text(yaml.safe_dump({
-        "redis": {"url": cluster.nodes[1].url, "cluster": True, "socketTimeout": "1s",
-                  "connectTimeout": "1s"},
-        "http": {"addr": f"127.0.0.1:{api}", "workers": 2},
-        "discovery": {"mode": "static", "leaseTTL": "3s", "static": {
-            "vllm": [{"ip": ip, "zmqEndpoint": f"tcp://{ip}:{pub}",
-                      "replayEndpoint": f"tcp://{ip}:{replay}"}
-                     for ip, (pub, replay) in pods.items()],
-            "mooncakeMasters": [{"url": master.url}]}},
-        "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "100ms", "backoffMax": "1s",
-                          "leaseTTL": "2s", "heartbeatInterval": "500ms"},
-                   "l3": {"pollInterval": "200ms", "httpTimeout": "1s"}},
-    }), encoding="utf-8")
+def _write_config(
+    path: Path, cluster: Cluster, api: int, pods: dict[str, tuple[int, int]], master: FakeMaster
+) -> None:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "redis": {
+                    "url": cluster.nodes[1].url,
+                    "cluster": True,
+                    "socketTimeout": "1s",
+                    "connectTimeout": "1s",
+                },
+                "http": {"addr": f"127.0.0.1:{api}", "workers": 2},
+                "discovery": {
+                    "mode": "static",
+                    "leaseTTL": "3s",
+                    "static": {
+                        "vllm": [
+                            {
+                                "ip": ip,
+                                "zmqEndpoint": f"tcp://{ip}:{pub}",
+                                "replayEndpoint": f"tcp://{ip}:{replay}",
+                            }
+                            for ip, (pub, replay) in pods.items()
+                        ],
+                        "mooncakeMasters": [{"url": master.url}],
+                    },
+                },
+                "ingest": {
+                    "l1": {
+                        "topic": "kv-events",
+                        "backoffInitial": "100ms",
+                        "backoffMax": "1s",
+                        "leaseTTL": "2s",
+                        "heartbeatInterval": "500ms",
+                    },
+                    "l3": {"pollInterval": "200ms", "httpTimeout": "1s"},
+                },
+            }
+        ),
+        encoding="utf-8",
+    )
 
 
 class Fleet:
@@ -82,9 +113,17 @@ class Fleet:
 
     def __init__(self, ips: list[str], master: FakeMaster) -> None:
         self.ports = {ip: (reserve_port(), reserve_port()) for ip in ips}
-        self.sims = {ip: SimulatedVLLM(f"tcp://*:{pub}", f"tcp://*:{rep}", "kv-events",
-                                       block_size=BLOCK, num_blocks=96, bind_host=ip)
-                     for ip, (pub, rep) in self.ports.items()}
+        self.sims = {
+            ip: SimulatedVLLM(
+                f"tcp://*:{pub}",
+                f"tcp://*:{rep}",
+                "kv-events",
+                block_size=BLOCK,
+                num_blocks=96,
+                bind_host=ip,
+            )
+            for ip, (pub, rep) in self.ports.items()
+        }
         self.served: dict[str, list[Request]] = {ip: [] for ip in ips}
         self.master = master
         self.l3: dict[str, Request] = {}
@@ -92,8 +131,9 @@ class Fleet:
 
     def serve(self, seed: int, steps: int = 15) -> None:
         for i, (ip, sim) in enumerate(self.sims.items()):
-            workload = Workload("mixed", prompts=12, prompt_len=128, block_size=BLOCK,
-                                seed=seed + i)
+            workload = Workload(
+                "mixed", prompts=12, prompt_len=128, block_size=BLOCK, seed=seed + i
+            )
             for _ in range(steps):
                 batch = [workload.next() for _ in range(2)]
                 sim.serve(batch)
@@ -106,8 +146,7 @@ class Fleet:
             segment = self.master.mount(f"{ip}:12300", f"{ip}:15000")
             digests = self.hasher.digests(list(request.token_ids), BLOCK)
             for d in digests[: len(digests) // 2]:
-                self.master.put(f"{MODEL}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{d.hex()}",
-                                segment)
+                self.master.put(f"{MODEL}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{d.hex()}", segment)
             self.l3[ip] = request
 
     def close(self) -> None:
@@ -129,9 +168,14 @@ def _answers_match(api: int, fleet: Fleet, store: Store) -> bool:
                 n = len(request.token_ids) // BLOCK
                 if n == 0:
                     continue
-                body = {"server_ip": ips, "body": {
-                    "token_ids": list(request.token_ids), "block_size": BLOCK,
-                    "cache_salt": request.cache_salt or ""}}
+                body = {
+                    "server_ip": ips,
+                    "body": {
+                        "token_ids": list(request.token_ids),
+                        "block_size": BLOCK,
+                        "cache_salt": request.cache_salt or "",
+                    },
+                }
                 response = client.post(url, json=body)
                 scores = response.json()["server_score_list"]
                 if response.status_code != 200 or len(scores) != len(ips):
@@ -146,8 +190,11 @@ def _answers_match(api: int, fleet: Fleet, store: Store) -> bool:
 
 
 def test_every_process_on_a_cluster_survives_a_node_restart(
-        cluster: Cluster, tmp_path: Path, subprocess_env: dict[str, str],
-        procs: list[subprocess.Popen[bytes]]) -> None:
+    cluster: Cluster,
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
     ips = _ips_on_every_master()
     master = FakeMaster("0.3.13").start()
     fleet = Fleet(ips, master)
@@ -161,24 +208,35 @@ def test_every_process_on_a_cluster_survives_a_node_restart(
         for name in ("discovery", "l1-ingest", "l3-poll", "api"):
             _spawn(procs, subprocess_env, tmp_path / f"{name}.log", name, "--config", str(config))
         wait_for(lambda: store.instance_ips() == set(ips), timeout=30, what="registration")
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code
-                 == 200, timeout=30, what="the API to be ready")
+        wait_for(
+            lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,
+            timeout=30,
+            what="the API to be ready",
+        )
         fleet.serve(seed=100)
         fleet.put_l3()
-        wait_for(lambda: _answers_match(api, fleet, store), timeout=60,
-                 what="API answers = simulators' caches and master's blocks")
+        wait_for(
+            lambda: _answers_match(api, fleet, store),
+            timeout=60,
+            what="API answers = simulators' caches and master's blocks",
+        )
         assert any(fleet.l3.values()) and all(store.tier_members(ip) for ip in ips)
 
-        victim = next(i for i, n in enumerate(cluster.nodes)
-                      if n.port != cluster.nodes[1].port)  # not the node in redis.url
+        victim = next(
+            i for i, n in enumerate(cluster.nodes) if n.port != cluster.nodes[1].port
+        )  # not the node in redis.url
         gens = {ip: store.get_instance(ip).gen for ip in ips}  # type: ignore[union-attr]
         cluster.restart(victim)
         fleet.serve(seed=200, steps=5)
-        wait_for(lambda: _answers_match(api, fleet, store), timeout=90,
-                 what="the same answers after a master restarted empty")
+        wait_for(
+            lambda: _answers_match(api, fleet, store),
+            timeout=90,
+            what="the same answers after a master restarted empty",
+        )
         regs = {ip: store.get_instance(ip) for ip in ips}
-        assert any(r is not None and r.gen > gens[ip] for ip, r in regs.items()), \
+        assert any(r is not None and r.gen > gens[ip] for ip, r in regs.items()), (
             "the restarted master's instances were re-registered under new generations"
+        )
         for p in procs:
             assert p.poll() is None, f"{p.args} exited"
     finally:

@@ -23,14 +23,28 @@ class Proc:
     def __init__(self, config: Path, env: dict[str, str]) -> None:
         self.metrics_port = reserve_port()
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "discovery", "--config", str(config),
-             "--metrics-port", str(self.metrics_port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "discovery",
+                "--config",
+                str(config),
+                "--metrics-port",
+                str(self.metrics_port),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2).text
-        values = [float(line.split()[-1]) for line in text.splitlines()
-                  if line.startswith((name + " ", name + "{"))]
+        values = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        ]
         return sum(values)
 
     def stop(self) -> None:
@@ -55,18 +69,28 @@ def _lease(client: redis.Redis) -> str:
 
 
 def test_two_processes_one_writer_kill_and_takeover(
-        tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis,
-        subprocess_env: dict[str, str], procs: list[Proc]) -> None:
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    subprocess_env: dict[str, str],
+    procs: list[Proc],
+) -> None:
     kube = FakeKube().start()
     try:
         kube.add_pod(vllm_pod("a", "10.0.0.1"))
-        config = write_config(tmp_path / "config.yaml", redis_server.url, {"discovery": {
-            "kubeconfig": str(kube.write_kubeconfig(tmp_path / "kubeconfig"))}})
+        config = write_config(
+            tmp_path / "config.yaml",
+            redis_server.url,
+            {"discovery": {"kubeconfig": str(kube.write_kubeconfig(tmp_path / "kubeconfig"))}},
+        )
         store = Store(redis_client)
         procs += [Proc(config, subprocess_env), Proc(config, subprocess_env)]  # at once
         wait_for(lambda: store.instance_ips() == {"10.0.0.1"}, timeout=15, what="a registered")
-        wait_for(lambda: all(p.metric("cache_indexer_discovery_instances") == 1 for p in procs),
-                 timeout=15, what="both processes to see the pod")
+        wait_for(
+            lambda: all(p.metric("cache_indexer_discovery_instances") == 1 for p in procs),
+            timeout=15,
+            what="both processes to see the pod",
+        )
         first, second = sorted(procs, key=lambda p: f":{p.p.pid}:" not in _lease(redis_client))
         assert f":{first.p.pid}:" in _lease(redis_client)
         assert first.metric("cache_indexer_discovery_lease_held") == 1
@@ -75,8 +99,11 @@ def test_two_processes_one_writer_kill_and_takeover(
 
         first.p.send_signal(signal.SIGKILL)  # no release: the lease must expire (TTL 1 s)
         first.p.wait(5)
-        wait_for(lambda: f":{second.p.pid}:" in _lease(redis_client), timeout=15,
-                 what="the standby to take over once the lease expires")
+        wait_for(
+            lambda: f":{second.p.pid}:" in _lease(redis_client),
+            timeout=15,
+            what="the standby to take over once the lease expires",
+        )
         kube.add_pod(vllm_pod("b", "10.0.0.2"))
         wait_for(lambda: store.instance_ips() == {"10.0.0.1", "10.0.0.2"}, what="b")
         assert second.metric("cache_indexer_discovery_lease_held") == 1
@@ -89,12 +116,21 @@ def test_two_processes_one_writer_kill_and_takeover(
         kube.stop()
 
 
-def test_bad_config_exits_2_naming_the_key(tmp_path: Path, redis_server: RedisServer,
-                                           subprocess_env: dict[str, str]) -> None:
-    config = write_config(tmp_path / "config.yaml", redis_server.url, {"discovery": {
-        "labels": {"engineValue": "not a label value"}}})
+def test_bad_config_exits_2_naming_the_key(
+    tmp_path: Path, redis_server: RedisServer, subprocess_env: dict[str, str]
+) -> None:
+    config = write_config(
+        tmp_path / "config.yaml",
+        redis_server.url,
+        {"discovery": {"labels": {"engineValue": "not a label value"}}},
+    )
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "discovery", "--config", str(config)],
-        check=False, env=subprocess_env, capture_output=True, text=True, timeout=30)
+        check=False,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2
     assert "discovery.labels.engineValue" in done.stderr

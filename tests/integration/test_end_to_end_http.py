@@ -25,38 +25,75 @@ IP = "127.0.0.61"
 BLOCK = 16
 
 
-def _spawn(procs: list[subprocess.Popen[bytes]], env: dict[str, str], log: Path,
-           *args: str) -> None:
+def _spawn(
+    procs: list[subprocess.Popen[bytes]], env: dict[str, str], log: Path, *args: str
+) -> None:
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT,
-                                  env=env, stdout=out, stderr=out))
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+    )
 
 
 def test_api_l1_ratios_equal_the_simulated_cache(
-        redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path,
-        subprocess_env: dict[str, str], procs: list[subprocess.Popen[bytes]]) -> None:
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
     pub, replay, api = reserve_port(), reserve_port(), reserve_port()
-    sim = SimulatedVLLM(f"tcp://*:{pub}", f"tcp://*:{replay}", "kv-events",
-                        vllm_version="0.28.0", block_size=BLOCK, num_blocks=128,
-                        bind_host=IP)
+    sim = SimulatedVLLM(
+        f"tcp://*:{pub}",
+        f"tcp://*:{replay}",
+        "kv-events",
+        vllm_version="0.28.0",
+        block_size=BLOCK,
+        num_blocks=128,
+        bind_host=IP,
+    )
     try:
         config = tmp_path / "config.yaml"
-        config.write_text(yaml.safe_dump({
-            "redis": {"url": redis_server.url},
-            "http": {"addr": f"127.0.0.1:{api}", "workers": 2},
-            "discovery": {"mode": "static", "static": {"vllm": [{
-                "ip": IP, "zmqEndpoint": f"tcp://{IP}:{pub}",
-                "replayEndpoint": f"tcp://{IP}:{replay}"}]}},
-            "ingest": {"l1": {"topic": "kv-events", "backoffInitial": "100ms",
-                              "backoffMax": "1s", "leaseTTL": "2s",
-                              "heartbeatInterval": "500ms"}},
-        }), encoding="utf-8")
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "redis": {"url": redis_server.url},
+                    "http": {"addr": f"127.0.0.1:{api}", "workers": 2},
+                    "discovery": {
+                        "mode": "static",
+                        "static": {
+                            "vllm": [
+                                {
+                                    "ip": IP,
+                                    "zmqEndpoint": f"tcp://{IP}:{pub}",
+                                    "replayEndpoint": f"tcp://{IP}:{replay}",
+                                }
+                            ]
+                        },
+                    },
+                    "ingest": {
+                        "l1": {
+                            "topic": "kv-events",
+                            "backoffInitial": "100ms",
+                            "backoffMax": "1s",
+                            "leaseTTL": "2s",
+                            "heartbeatInterval": "500ms",
+                        }
+                    },
+                }
+            ),
+            encoding="utf-8",
+        )
         for name in ("discovery", "l1-ingest", "api"):
             _spawn(procs, subprocess_env, tmp_path / f"{name}.log", name, "--config", str(config))
         store = Store(redis_client)
         wait_for(lambda: store.get_instance(IP), timeout=20, what="discovery to register")
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code
-                 == 200, timeout=30, what="the API to be ready")
+        wait_for(
+            lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,
+            timeout=30,
+            what="the API to be ready",
+        )
 
         workload = Workload("mixed", prompts=20, prompt_len=128, block_size=BLOCK, seed=11)
         served = []
@@ -71,9 +108,14 @@ def test_api_l1_ratios_equal_the_simulated_cache(
         with httpx.Client(timeout=10) as client:
             for request in dict.fromkeys(served):
                 n = len(request.token_ids) // BLOCK
-                body = {"server_ip": [IP, "127.0.0.99"],
-                        "body": {"token_ids": list(request.token_ids), "block_size": BLOCK,
-                                 "cache_salt": request.cache_salt or ""}}
+                body = {
+                    "server_ip": [IP, "127.0.0.99"],
+                    "body": {
+                        "token_ids": list(request.token_ids),
+                        "block_size": BLOCK,
+                        "cache_salt": request.cache_salt or "",
+                    },
+                }
                 doc = client.post(url, json=body).json()
                 want = sim.true_prefix_len(request) / n if n else 0.0
                 got = doc["server_score_list"]

@@ -39,8 +39,14 @@ def make_sim() -> Iterator[Callable[..., SimulatedVLLM]]:
     sims: list[SimulatedVLLM] = []
 
     def make(version: str = "0.28.0", **kw: Any) -> SimulatedVLLM:
-        sim = SimulatedVLLM(f"tcp://*:{reserve_port()}", f"tcp://*:{reserve_port()}", "kv-events",
-                            vllm_version=version, num_blocks=64, **kw)
+        sim = SimulatedVLLM(
+            f"tcp://*:{reserve_port()}",
+            f"tcp://*:{reserve_port()}",
+            "kv-events",
+            vllm_version=version,
+            num_blocks=64,
+            **kw,
+        )
         sims.append(sim)
         return sim
 
@@ -61,35 +67,59 @@ def serve_prompts(sim: SimulatedVLLM, salted: bool = False) -> None:
     sim.flush()
 
 
-def wait_check(client: redis.Redis, ip: str, verdict: str, sim: SimulatedVLLM,
-               salted: bool = False) -> dict[str, Any]:
+def wait_check(
+    client: redis.Redis, ip: str, verdict: str, sim: SimulatedVLLM, salted: bool = False
+) -> dict[str, Any]:
     def settled() -> dict[str, Any] | None:
         serve_prompts(sim, salted)  # the first batches may be lost before the SUB joins
         inst = report_of(client, ip)
         return inst if inst["l1"]["hash_check"] == verdict else None
-    found: dict[str, Any] = wait_for(settled, timeout=20, interval=0.3,
-                                     what=f"hash_check {verdict}")
+
+    found: dict[str, Any] = wait_for(
+        settled, timeout=20, interval=0.3, what=f"hash_check {verdict}"
+    )
     return found
 
 
 CASES = [  # simulated engine, config, words the detail must contain
-    ({"hash_seed": "1"}, {}, "the engine hashes with pythonHashSeed '1' and sha256_cbor; "
-                            "the config says pythonHashSeed '0'"),
-    ({"hash_algo": "sha256"}, {}, "the engine hashes with pythonHashSeed '0' and sha256; "
-                                 "the config says prefixCachingHashAlgo sha256_cbor"),
-    ({"version": "0.34.0"}, {}, "tagged extra keys (vLLM >= 0.31); the config says vllmVersion "
-                                "0.28.0 (untagged extra keys)"),
-    ({}, {"seed": "1"}, "the engine hashes with pythonHashSeed '0' and sha256_cbor; "
-                       "the config says pythonHashSeed '1'"),
+    (
+        {"hash_seed": "1"},
+        {},
+        "the engine hashes with pythonHashSeed '1' and sha256_cbor; "
+        "the config says pythonHashSeed '0'",
+    ),
+    (
+        {"hash_algo": "sha256"},
+        {},
+        "the engine hashes with pythonHashSeed '0' and sha256; "
+        "the config says prefixCachingHashAlgo sha256_cbor",
+    ),
+    (
+        {"version": "0.34.0"},
+        {},
+        "tagged extra keys (vLLM >= 0.31); the config says vllmVersion "
+        "0.28.0 (untagged extra keys)",
+    ),
+    (
+        {},
+        {"seed": "1"},
+        "the engine hashes with pythonHashSeed '0' and sha256_cbor; "
+        "the config says pythonHashSeed '1'",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("engine", "config", "detail"), CASES,
-                         ids=["seed", "algo", "extra-key-rule", "config-seed"])
+@pytest.mark.parametrize(
+    ("engine", "config", "detail"), CASES, ids=["seed", "algo", "extra-key-rule", "config-seed"]
+)
 def test_wrong_setting_is_a_mismatch_naming_the_engine_setting(
-        redis_client: redis.Redis, make_sim: Callable[..., SimulatedVLLM],
-        ingester: Callable[..., InProcessIngester], engine: dict[str, str],
-        config: dict[str, str], detail: str) -> None:
+    redis_client: redis.Redis,
+    make_sim: Callable[..., SimulatedVLLM],
+    ingester: Callable[..., InProcessIngester],
+    engine: dict[str, str],
+    config: dict[str, str],
+    detail: str,
+) -> None:
     sim = make_sim(**engine)
     ip = "127.0.0.61"
     settings = HashSettings.from_strings("sha256_cbor", config.get("seed", "0"), "0.28.0")
@@ -102,8 +132,10 @@ def test_wrong_setting_is_a_mismatch_naming_the_engine_setting(
 
 
 def test_right_config_is_ok_and_synced(
-        redis_client: redis.Redis, make_sim: Callable[..., SimulatedVLLM],
-        ingester: Callable[..., InProcessIngester]) -> None:
+    redis_client: redis.Redis,
+    make_sim: Callable[..., SimulatedVLLM],
+    ingester: Callable[..., InProcessIngester],
+) -> None:
     sim = make_sim("0.34.0", hash_seed="7")
     ip = "127.0.0.62"
     ing = ingester(HashSettings.from_strings("sha256_cbor", "7", "0.34.0"))
@@ -117,26 +149,38 @@ def test_right_config_is_ok_and_synced(
 
 
 def test_publisher_that_never_sends_is_no_events_and_a_closed_port_unreachable(
-        redis_client: redis.Redis, make_sim: Callable[..., SimulatedVLLM],
-        ingester: Callable[..., InProcessIngester]) -> None:
+    redis_client: redis.Redis,
+    make_sim: Callable[..., SimulatedVLLM],
+    ingester: Callable[..., InProcessIngester],
+) -> None:
     silent = make_sim()  # listening, never publishing (no --kv-events batches)
     ing = ingester(noEventsAfter="1s")
     register(ing.store, "127.0.0.63", silent)
     closed = f"tcp://127.0.0.1:{reserve_port()}"
     ing.store.upsert_instance(Instance("127.0.0.64", "uid-closed", zmq_endpoint=closed))
-    wait_for(lambda: report_of(redis_client, "127.0.0.63")["l1"]["state"] == "no_events",
-             timeout=15, what="no_events")
+    wait_for(
+        lambda: report_of(redis_client, "127.0.0.63")["l1"]["state"] == "no_events",
+        timeout=15,
+        what="no_events",
+    )
     inst = report_of(redis_client, "127.0.0.63")
     assert inst["l1"]["last_event_age_s"] is None
     assert "nothing received" in inst["l1"]["state_detail"]
-    wait_for(lambda: report_of(redis_client, "127.0.0.64")["l1"]["state"] == "unreachable",
-             timeout=15, what="unreachable")
+    wait_for(
+        lambda: report_of(redis_client, "127.0.0.64")["l1"]["state"] == "unreachable",
+        timeout=15,
+        what="unreachable",
+    )
 
 
 def test_dead_ingester_leaves_its_instance_unassigned(
-        redis_server: Any, redis_client: redis.Redis, tmp_path: Path,
-        make_sim: Callable[..., SimulatedVLLM], subprocess_env: dict[str, str],
-        procs: list[subprocess.Popen[bytes]]) -> None:
+    redis_server: Any,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    make_sim: Callable[..., SimulatedVLLM],
+    subprocess_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
     sim = make_sim()
     ip = "127.0.0.65"
     register(Store(redis_client), ip, sim)
@@ -148,11 +192,17 @@ def test_dead_ingester_leaves_its_instance_unassigned(
         serve_prompts(sim)
         l1 = report_of(redis_client, ip)["l1"]
         return l1["state"] == "synced" and l1["ingester"] == "doomed"
+
     wait_for(owned, timeout=20, interval=0.3, what="the ingester to own the instance")
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    inst = wait_for(lambda: (lambda i: i if i["l1"]["state"] == "unassigned" else None)(
-        report_of(redis_client, ip)), timeout=15, what="unassigned")
+    inst = wait_for(
+        lambda: (lambda i: i if i["l1"]["state"] == "unassigned" else None)(
+            report_of(redis_client, ip)
+        ),
+        timeout=15,
+        what="unassigned",
+    )
     assert "doomed" in inst["l1"]["state_detail"] or "reported" in inst["l1"]["state_detail"]
 
 
@@ -160,17 +210,35 @@ def test_unknown_l3_keys_are_counted_with_a_sample(redis_client: redis.Redis) ->
     store = Store(redis_client)
     url = "http://127.0.0.70:9003"
     store.set_masters({url: json.dumps({"pod": "master-0"})})
-    redis_client.hset(keys.master_state(url), mapping={
-        "keys": "120", "keys_unparsed": "20", "sample_unparsed": "tenantX/blk/0001",
-        "blocks": "25", "updated_ms": str(redis_client.time()[0] * 1000), "stale": "0",
-        "error": ""})
+    redis_client.hset(
+        keys.master_state(url),
+        mapping={
+            "keys": "120",
+            "keys_unparsed": "20",
+            "sample_unparsed": "tenantX/blk/0001",
+            "blocks": "25",
+            "updated_ms": str(redis_client.time()[0] * 1000),
+            "stale": "0",
+            "error": "",
+        },
+    )
     store.upsert_instance(Instance("127.0.0.71", "uid-l3", pod="vllm-l3"))
-    store.replace_l3("127.0.0.71", [1, 2, 3], {"master": url, "blocks": "3", "stale": "0",
-                                               "updated_ms": "1"})
+    store.replace_l3(
+        "127.0.0.71", [1, 2, 3], {"master": url, "blocks": "3", "stale": "0", "updated_ms": "1"}
+    )
     doc = build_report(StatusReader(redis_client).read(), LIMITS)
-    assert doc["masters"] == [{
-        "url": url, "keys": 120, "keys_unparsed": 20, "sample_unparsed": "tenantX/blk/0001",
-        "blocks": 25, "age_s": doc["masters"][0]["age_s"], "stale": False, "error": None}]
+    assert doc["masters"] == [
+        {
+            "url": url,
+            "keys": 120,
+            "keys_unparsed": 20,
+            "sample_unparsed": "tenantX/blk/0001",
+            "blocks": 25,
+            "age_s": doc["masters"][0]["age_s"],
+            "stale": False,
+            "error": None,
+        }
+    ]
     assert doc["masters"][0]["age_s"] < 5
     (inst,) = doc["instances"]
     assert inst["l3"]["blocks"] == 3 and inst["l3"]["master"] == url
@@ -189,8 +257,8 @@ def _capture() -> dict[str, Any]:
 
 @pytest.mark.parametrize(("seed", "verdict"), [("0", "mismatch"), ("1", "ok")])
 def test_vllm_published_events_through_zmq(
-        redis_client: redis.Redis, ingester: Callable[..., InProcessIngester],
-        seed: str, verdict: str) -> None:
+    redis_client: redis.Redis, ingester: Callable[..., InProcessIngester], seed: str, verdict: str
+) -> None:
     """Payloads from vLLM 0.28's KVCacheManager + ZmqEventPublisher (PYTHONHASHSEED=1),
     re-sent byte for byte on a real PUB socket; the config's seed decides the verdict."""
     capture = _capture()
@@ -207,15 +275,26 @@ def test_vllm_published_events_through_zmq(
         def send(payload: bytes) -> None:
             pub.send_multipart([b"kv-events", seq[0].to_bytes(8, "big"), payload])
             seq[0] += 1
-        warm = encode_batch([AllBlocksCleared()], ts=1.0, data_parallel_rank=0,
-                            vllm_version=(0, 28, 0))
-        wait_for(lambda: send(warm) or ing.store.last_seq(ip, 0) is not None, timeout=15,
-                 interval=0.05, what="the ingester to join")  # slow joiner (spec §1.2)
+
+        warm = encode_batch(
+            [AllBlocksCleared()], ts=1.0, data_parallel_rank=0, vllm_version=(0, 28, 0)
+        )
+        wait_for(
+            lambda: send(warm) or ing.store.last_seq(ip, 0) is not None,
+            timeout=15,
+            interval=0.05,
+            what="the ingester to join",
+        )  # slow joiner (spec §1.2)
         for frame in capture["frames"]:
             send(bytes.fromhex(frame["payload_hex"]))
         wait_for(lambda: ing.store.last_seq(ip, 0) == seq[0] - 1, what="all batches applied")
-        inst = wait_for(lambda: (lambda i: i if i["l1"]["hash_check"] == verdict else None)(
-            report_of(redis_client, ip)), timeout=10, what=f"hash_check {verdict}")
+        inst = wait_for(
+            lambda: (lambda i: i if i["l1"]["hash_check"] == verdict else None)(
+                report_of(redis_client, ip)
+            ),
+            timeout=10,
+            what=f"hash_check {verdict}",
+        )
     finally:
         pub.close(linger=0)
         ctx.term()
@@ -224,4 +303,5 @@ def test_vllm_published_events_through_zmq(
     else:
         assert inst["l1"]["hash_check_detail"] == (
             "the engine hashes with pythonHashSeed '1' and sha256_cbor; "
-            "the config says pythonHashSeed '0'")
+            "the config says pythonHashSeed '0'"
+        )

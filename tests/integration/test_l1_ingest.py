@@ -42,14 +42,20 @@ SimFactory = Callable[..., SimulatedVLLM]
 def make_sim() -> Iterator[SimFactory]:
     sims: list[SimulatedVLLM] = []
 
-    def make(version: str = "0.28.0", *, replay: bool = True, dp: int = 1,
-             **kw: object) -> SimulatedVLLM:
+    def make(
+        version: str = "0.28.0", *, replay: bool = True, dp: int = 1, **kw: object
+    ) -> SimulatedVLLM:
         port = reserve_ports(dp)
         rport = reserve_ports(dp) if replay else 0
         kw.setdefault("num_blocks", 64)
         sim = SimulatedVLLM(
-            f"tcp://*:{port}", f"tcp://*:{rport}" if replay else "", "kv-events",
-            vllm_version=version, ranks=range(dp), **kw)  # type: ignore[arg-type]
+            f"tcp://*:{port}",
+            f"tcp://*:{rport}" if replay else "",
+            "kv-events",
+            vllm_version=version,
+            ranks=range(dp),
+            **kw,
+        )  # type: ignore[arg-type]
         sims.append(sim)
         return sim
 
@@ -58,8 +64,9 @@ def make_sim() -> Iterator[SimFactory]:
         sim.close()
 
 
-def drive(sim: SimulatedVLLM, steps: int, seed: int = 1, per_step: int = 3,
-          drop_every: int = 0) -> list[Request]:
+def drive(
+    sim: SimulatedVLLM, steps: int, seed: int = 1, per_step: int = 3, drop_every: int = 0
+) -> list[Request]:
     workload = Workload("mixed", prompts=12, prompt_len=96, block_size=sim.block_size, seed=seed)
     served = []
     for i in range(1, steps + 1):
@@ -75,9 +82,12 @@ def drive(sim: SimulatedVLLM, steps: int, seed: int = 1, per_step: int = 3,
 
 
 @pytest.mark.parametrize("version", ["0.23.0", "0.28.0", "0.34.0"])
-def test_both_encodings_index_exactly(redis_client: redis.Redis, make_sim: SimFactory,
-                                      ingester: Callable[..., InProcessIngester],
-                                      version: str) -> None:
+def test_both_encodings_index_exactly(
+    redis_client: redis.Redis,
+    make_sim: SimFactory,
+    ingester: Callable[..., InProcessIngester],
+    version: str,
+) -> None:
     store = Store(redis_client)
     sim = make_sim(version, replay=False, cpu_blocks=16)
     ing = ingester()
@@ -97,8 +107,8 @@ def test_both_encodings_index_exactly(redis_client: redis.Redis, make_sim: SimFa
 
 
 def test_event_semantics_copies_media_groups_and_bad_input(
-        redis_client: redis.Redis, make_sim: SimFactory,
-        ingester: Callable[..., InProcessIngester]) -> None:
+    redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
+) -> None:
     store = Store(redis_client)
     sim = make_sim(replay=False)
     ing = ingester()
@@ -109,10 +119,20 @@ def test_event_semantics_copies_media_groups_and_bad_input(
         kw.setdefault("medium", "GPU")
         return BlockStored([h], None, list(range(16)), 16, **kw)  # type: ignore[arg-type]
 
-    sim.emit([stored(1), stored(1), stored(2, medium=None), stored(3, medium="cpu"),
-              stored(4, group_idx=1), stored(5, group_idx=2, kv_cache_spec_kind="sliding_window",
-                                             kv_cache_spec_sliding_window=64),
-              BlockStored([6], None, [], 0, medium="GPU"), BlockRemoved([1], medium="GPU")])
+    sim.emit(
+        [
+            stored(1),
+            stored(1),
+            stored(2, medium=None),
+            stored(3, medium="cpu"),
+            stored(4, group_idx=1),
+            stored(
+                5, group_idx=2, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=64
+            ),
+            BlockStored([6], None, [], 0, medium="GPU"),
+            BlockRemoved([1], medium="GPU"),
+        ]
+    )
     wait_quiet(store, IP, sim)
     assert store.tier_counts(IP, "l1") == {1: 1, 2: 1}  # stored twice, removed once: held
     assert store.tier_members(IP, "l1", 1) == {4}  # other KV-cache groups: their own sets
@@ -120,10 +140,25 @@ def test_event_semantics_copies_media_groups_and_bad_input(
     assert store.groups(IP)["2"] == "sliding_window,16,64,16"
     assert store.tier_members(IP, "l2") == {3}
     # An unknown event between good ones is skipped; the rest of the batch still applies.
-    good = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash":
-                                 None, "token_ids": [1], "block_size": 1, "lora_id": None,
-                                 "medium": "GPU"}, {"type": "Snapshot", "x": 1},
-                                ["BlockRemoved", [1], "GPU"]], 0])
+    good = msgpack.packb(
+        [
+            1.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [7],
+                    "parent_block_hash": None,
+                    "token_ids": [1],
+                    "block_size": 1,
+                    "lora_id": None,
+                    "medium": "GPU",
+                },
+                {"type": "Snapshot", "x": 1},
+                ["BlockRemoved", [1], "GPU"],
+            ],
+            0,
+        ]
+    )
     sim.publishers[0].publish_payload(good)
     not_a_batch = sim.publishers[0].publish_payload(b"\xc1garbage")
     sim.emit([BlockRemoved([2], medium="GPU")])
@@ -138,9 +173,12 @@ def test_event_semantics_copies_media_groups_and_bad_input(
 
 
 @pytest.mark.parametrize("version", ["0.23.0", "0.28.0"])  # replay without / with topic frame
-def test_gaps_are_filled_by_replay(redis_client: redis.Redis, make_sim: SimFactory,
-                                   ingester: Callable[..., InProcessIngester],
-                                   version: str) -> None:
+def test_gaps_are_filled_by_replay(
+    redis_client: redis.Redis,
+    make_sim: SimFactory,
+    ingester: Callable[..., InProcessIngester],
+    version: str,
+) -> None:
     store = Store(redis_client)
     sim = make_sim(version)
     ing = ingester()
@@ -154,9 +192,12 @@ def test_gaps_are_filled_by_replay(redis_client: redis.Redis, make_sim: SimFacto
 
 
 @pytest.mark.parametrize("policy", ["keep", "clear"])
-def test_unrecoverable_gaps_follow_the_policy(redis_client: redis.Redis, make_sim: SimFactory,
-                                              ingester: Callable[..., InProcessIngester],
-                                              policy: str) -> None:
+def test_unrecoverable_gaps_follow_the_policy(
+    redis_client: redis.Redis,
+    make_sim: SimFactory,
+    ingester: Callable[..., InProcessIngester],
+    policy: str,
+) -> None:
     store = Store(redis_client)
     # keep: replay exists but its buffer (2 batches) no longer holds the first lost one;
     # clear: no replay endpoint at all.
@@ -181,9 +222,12 @@ def test_unrecoverable_gaps_follow_the_policy(redis_client: redis.Redis, make_si
 
 
 @pytest.mark.parametrize("replay", [True, False])
-def test_publisher_restart_drops_the_old_index(redis_client: redis.Redis, make_sim: SimFactory,
-                                               ingester: Callable[..., InProcessIngester],
-                                               replay: bool) -> None:
+def test_publisher_restart_drops_the_old_index(
+    redis_client: redis.Redis,
+    make_sim: SimFactory,
+    ingester: Callable[..., InProcessIngester],
+    replay: bool,
+) -> None:
     store = Store(redis_client)
     sim = make_sim(replay=replay)
     ing = ingester()
@@ -195,6 +239,7 @@ def test_publisher_restart_drops_the_old_index(redis_client: redis.Redis, make_s
     before = set(true_counts(sim))
     sim.restart()
     if not replay:  # the first batches after a reconnect may be lost; send no-ops first
+
         def detected() -> bool:
             if ing.count("restarts") >= 1:
                 return True
@@ -209,8 +254,9 @@ def test_publisher_restart_drops_the_old_index(redis_client: redis.Redis, make_s
     assert stale and not stale & store.tier_members(IP, "l1")
 
 
-def test_dp_ranks_are_separate_streams(redis_client: redis.Redis, make_sim: SimFactory,
-                                       ingester: Callable[..., InProcessIngester]) -> None:
+def test_dp_ranks_are_separate_streams(
+    redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
+) -> None:
     store = Store(redis_client)
     sim = make_sim(dp=2)
     ingester()
@@ -224,13 +270,14 @@ def test_dp_ranks_are_separate_streams(redis_client: redis.Redis, make_sim: SimF
     wait_quiet(store, IP, sim)
     assert store.tier_counts(IP, "l1") == sim.models[0].gpu_counts()
     for request in served:
-        assert store.prefix_lengths([IP], sim.member_keys(request))[0][0] == \
-            sim.true_prefix_len(request)
+        assert store.prefix_lengths([IP], sim.member_keys(request))[0][0] == sim.true_prefix_len(
+            request
+        )
 
 
 def test_registry_changes_take_effect_without_restart(
-        redis_client: redis.Redis, make_sim: SimFactory,
-        ingester: Callable[..., InProcessIngester]) -> None:
+    redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
+) -> None:
     store = Store(redis_client)
     first, second = make_sim(), make_sim()
     ing = ingester()
@@ -255,8 +302,9 @@ def _capture(name: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("name", ["topic_kv_events_dp0", "topic_empty_dp1"])
-def test_real_vllm_frames(redis_client: redis.Redis,
-                          ingester: Callable[..., InProcessIngester], name: str) -> None:
+def test_real_vllm_frames(
+    redis_client: redis.Redis, ingester: Callable[..., InProcessIngester], name: str
+) -> None:
     """Frames captured from a real vLLM 0.28.0 publisher, re-sent through a real PUB socket.
 
     The capture's endpoint was the subscriber's (vLLM connects its PUB when the endpoint is
@@ -266,14 +314,26 @@ def test_real_vllm_frames(redis_client: redis.Redis,
     cap = _capture(name)
     rank, topic = int(cap["data_parallel_rank"]), str(cap["topic"])  # type: ignore[call-overload]
     port, rport = reserve_ports(2), reserve_ports(2)
-    pub = Publisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic, dp_rank=rank,
-                    vllm_version=(0, 28, 0), buffer_steps=int(cap["buffer_steps"]))  # type: ignore[call-overload]
+    pub = Publisher(
+        f"tcp://*:{port}",
+        f"tcp://*:{rport}",
+        topic,
+        dp_rank=rank,
+        vllm_version=(0, 28, 0),
+        buffer_steps=int(cap["buffer_steps"]),
+    )  # type: ignore[call-overload]
     store = Store(redis_client)
     try:
         ing = ingester(topic=topic)
-        store.upsert_instance(Instance(ip=IP, uid="u", zmq_endpoint=f"tcp://127.0.0.1:{port}",
-                                       replay_endpoint=f"tcp://127.0.0.1:{rport}",
-                                       dp_size=rank + 1))
+        store.upsert_instance(
+            Instance(
+                ip=IP,
+                uid="u",
+                zmq_endpoint=f"tcp://127.0.0.1:{port}",
+                replay_endpoint=f"tcp://127.0.0.1:{rport}",
+                dp_size=rank + 1,
+            )
+        )
         wait_for(lambda: ing.count("replays", result="complete") >= 1, what="connect + replay")
         held: Counter[int] = Counter()
         for frame in cap["live_frames"]:  # type: ignore[attr-defined]
@@ -326,7 +386,8 @@ class _FakeClock:
 
 
 def test_idle_subscriber_waits_instead_of_spinning(
-        redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With no socket to poll (nothing assigned, or every instance waiting to retry) a
     loop round must block for the poll timeout or until the next retry is due, never
     return at once. Counted with an injected clock: loop rounds per (fake) second."""
@@ -334,8 +395,7 @@ def test_idle_subscriber_waits_instead_of_spinning(
 
     clock = _FakeClock()
     monkeypatch.setattr(subscriber_mod, "time", clock)
-    sub = Subscriber(Store(redis_client), l1_config(), IngestMetrics(),
-                     ctx=zmq.Context.instance())
+    sub = Subscriber(Store(redis_client), l1_config(), IngestMetrics(), ctx=zmq.Context.instance())
     rounds: list[int] = []
     for instances in ({}, {IP: Instance(ip=IP, uid="u", gen=1)}):  # the 2nd has no endpoint
         sub.set_instances(instances)
@@ -353,14 +413,23 @@ def test_idle_subscriber_waits_instead_of_spinning(
 
 @pytest.mark.parametrize("bad", ["tcp://*:5558", "tcp://127.0.0.1"])
 def test_unconnectable_replay_endpoint_applies_the_gap_policy(
-        redis_client: redis.Redis, make_sim: SimFactory,
-        ingester: Callable[..., InProcessIngester], caplog: pytest.LogCaptureFixture,
-        bad: str) -> None:
+    redis_client: redis.Redis,
+    make_sim: SimFactory,
+    ingester: Callable[..., InProcessIngester],
+    caplog: pytest.LogCaptureFixture,
+    bad: str,
+) -> None:
     store = Store(redis_client)
     broken, good = make_sim(replay=False), make_sim()
     ing = ingester()
-    store.upsert_instance(Instance(ip=IP, uid="u", zmq_endpoint=broken.endpoint.replace(
-        "*", "127.0.0.1"), replay_endpoint=bad))
+    store.upsert_instance(
+        Instance(
+            ip=IP,
+            uid="u",
+            zmq_endpoint=broken.endpoint.replace("*", "127.0.0.1"),
+            replay_endpoint=bad,
+        )
+    )
     register(store, "127.0.0.12", good)
     warm_up(store, IP, broken)
     caplog.set_level("ERROR", logger="services.l1_ingest.stream")
@@ -383,8 +452,8 @@ def test_unconnectable_replay_endpoint_applies_the_gap_policy(
 
 
 def test_vllm_restart_while_the_ingester_was_away(
-        redis_client: redis.Redis, make_sim: SimFactory,
-        ingester: Callable[..., InProcessIngester]) -> None:
+    redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
+) -> None:
     """The new vLLM published more batches than we had applied: the replay from our last
     sequence is not empty, but its batch there is not the one we applied."""
     store = Store(redis_client)
@@ -409,8 +478,11 @@ def test_vllm_restart_while_the_ingester_was_away(
 
 @pytest.mark.parametrize("policy", ["keep", "clear"])
 def test_joining_a_trimmed_replay_buffer_is_an_unrecoverable_gap(
-        redis_client: redis.Redis, make_sim: SimFactory,
-        ingester: Callable[..., InProcessIngester], policy: str) -> None:
+    redis_client: redis.Redis,
+    make_sim: SimFactory,
+    ingester: Callable[..., InProcessIngester],
+    policy: str,
+) -> None:
     store = Store(redis_client)
     sim = make_sim(buffer_steps=3)
     for h in range(1, 7):  # seqs 0..5 before anyone listens; replay keeps 3..5
@@ -437,7 +509,8 @@ def own_redis() -> Iterator[tuple[RedisServer, redis.Redis]]:
 
 
 def test_redis_outage_with_data_kept_converges(
-        own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory) -> None:
+    own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory
+) -> None:
     server, client = own_redis
     store = Store(client)
     sim = make_sim()
@@ -449,8 +522,10 @@ def test_redis_outage_with_data_kept_converges(
         client.save()  # persistence is off; this snapshot is what the restart loads
         server.stop()
         drive(sim, 6, seed=6, drop_every=2)  # published while Redis is down
-        wait_for(lambda: ing.metrics.subscribed.value() == 0, what="the failed write to "
-                 "close the subscription")
+        wait_for(
+            lambda: ing.metrics.subscribed.value() == 0,
+            what="the failed write to close the subscription",
+        )
         server.start()
         drive(sim, 3, seed=7)
         assert_exact(store, IP, sim)
@@ -461,7 +536,8 @@ def test_redis_outage_with_data_kept_converges(
 
 
 def test_redis_data_loss_then_reregistration_converges(
-        own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory) -> None:
+    own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory
+) -> None:
     """Redis restarts empty while nothing is published (the ingester keeps its cursor) and
     discovery registers the instance again."""
     server, client = own_redis

@@ -28,9 +28,12 @@ def run() -> dict[str, Any]:
     reason = mooncake_missing()
     require(reason is None, f"the Mooncake side cannot run: {reason}")
     proc = subprocess.run(
-        ["unshare", "-n", "sh", "-c",
-         f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],
-        cwd=ROOT, capture_output=True, text=True, timeout=180)
+        ["unshare", "-n", "sh", "-c", f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, f"driver failed: {proc.stderr[-3000:]}"
     out: dict[str, Any] = json.loads(lines[-1])

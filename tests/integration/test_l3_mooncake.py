@@ -32,9 +32,18 @@ def runs() -> dict[str, dict[str, Any]]:
     require(reason is None, f"{reason} (scripts/setup.sh installs it)")
     procs = {
         scope: subprocess.Popen(
-            ["unshare", "-n", "sh", "-c",
-             f'ip link set lo up && exec "{sys.executable}" "{DRIVER}" run --scope {scope}'],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                "unshare",
+                "-n",
+                "sh",
+                "-c",
+                f'ip link set lo up && exec "{sys.executable}" "{DRIVER}" run --scope {scope}',
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for scope in ("segment", "pool")
     }
     out = {}

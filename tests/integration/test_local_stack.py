@@ -37,7 +37,7 @@ class StackRun:
     def answer(self) -> dict[str, Any]:
         assert self.proc.returncode == 0, self.proc.stderr[-3000:]
         line = next(ln for ln in self.proc.stdout.splitlines() if ln.startswith("answer: "))
-        answer: dict[str, Any] = json.loads(line[len("answer: "):])
+        answer: dict[str, Any] = json.loads(line[len("answer: ") :])
         assert answer["status"] == 0
         return answer
 
@@ -62,10 +62,30 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     workdir = tmp_path_factory.mktemp(f"local-stack-{engine}")
     api, redis_port, master = reserve_port(), reserve_port(), reserve_ports(2)  # master+1: RPC
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "local-stack", "--workdir", str(workdir),
-         "--port", str(api), "--redis-port", str(redis_port), "--master-port", str(master),
-         "--duration", "1", "--engine", engine],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "local-stack",
+            "--workdir",
+            str(workdir),
+            "--port",
+            str(api),
+            "--redis-port",
+            str(redis_port),
+            "--master-port",
+            str(master),
+            "--duration",
+            "1",
+            "--engine",
+            engine,
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     return StackRun(proc, workdir, (api, redis_port, master), engine)
 
 
@@ -74,7 +94,10 @@ def test_local_stack_serves_l1_ratios_and_stops(stack: StackRun) -> None:
     assert pod_a["l1_hit_ratio"] > 0, "pod A serves the example prompt: its GPU holds a prefix"
     assert pod_b["l1_hit_ratio"] == 0.0, "pod B never saw the example prompt"
     assert stack.request()["server_ip"] == [
-        "127.0.0.2", "127.0.0.3", *(ip for _, ip, _, _, _ in HYBRID_PODS)]
+        "127.0.0.2",
+        "127.0.0.3",
+        *(ip for _, ip, _, _, _ in HYBRID_PODS),
+    ]
     for port in stack.ports:
         assert _port_closed(port), f"port {port} still open after the stack stopped"
 
@@ -98,8 +121,10 @@ def test_local_stack_runs_hybrid_pods_and_answers_their_hit(stack: StackRun) -> 
     tokens, block = request["body"]["token_ids"], request["body"]["block_size"]
     expected = expected_hybrid_hits(stack.workdir, tokens)
     assert set(expected) == {ip for _, ip, _, _, _ in HYBRID_PODS}
-    assert all(hit == (len(tokens) - 1) // block * block for hit in expected.values()), \
+    assert all(hit == (len(tokens) - 1) // block * block for hit in expected.values()), (
         "each hybrid pod served the example prompt: vLLM reuses all but its last token"
+    )
     scores, n = stack.scores(), len(tokens) // block
     assert {ip: scores[ip]["l1_hit_ratio"] for ip in expected} == {
-        ip: min(hit, n * block) / (n * block) for ip, hit in expected.items()}
+        ip: min(hit, n * block) / (n * block) for ip, hit in expected.items()
+    }

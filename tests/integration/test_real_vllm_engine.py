@@ -36,9 +36,20 @@ def runs() -> dict[str, dict[str, Any]]:
     missing = ve.engine_missing() or mooncake_missing()
     require(missing is None, f"{missing} (scripts/setup.sh installs it)")
     proc = subprocess.run(
-        ["unshare", "-n", "sh", "-c",
-         f'ip link set lo up && exec "{sys.executable}" "{DRIVER}" --models {",".join(ve.MODELS)}'],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        [
+            "unshare",
+            "-n",
+            "sh",
+            "-c",
+            f'ip link set lo up && exec "{sys.executable}" "{DRIVER}" '
+            f"--models {','.join(ve.MODELS)}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"driver failed: {proc.stderr[-3000:]}"
     return {line["model"]: line for line in lines}
@@ -53,10 +64,15 @@ def _run(runs: dict[str, dict[str, Any]], model: str) -> dict[str, Any]:
 
 def _mismatches(run: dict[str, Any]) -> str:
     bad = [r for r in run["rows"] if r["predicted"] != r["cached_tokens"]]
-    lines = [f"{len(bad)} of {len(run['rows'])} requests differ (tokens):",
-             "   #  len  index  engine  l1   l3  exact  reason"]
-    lines += [f"{r['i']:4} {r['len']:4} {r['predicted']:6} {r['cached_tokens']:7} {r['l1']:4} "
-              f"{r['l3']:4}  {r['exact']!s:5}  {r['reason']}" for r in bad]
+    lines = [
+        f"{len(bad)} of {len(run['rows'])} requests differ (tokens):",
+        "   #  len  index  engine  l1   l3  exact  reason",
+    ]
+    lines += [
+        f"{r['i']:4} {r['len']:4} {r['predicted']:6} {r['cached_tokens']:7} {r['l1']:4} "
+        f"{r['l3']:4}  {r['exact']!s:5}  {r['reason']}"
+        for r in bad
+    ]
     return "\n".join(lines)
 
 
@@ -77,8 +93,7 @@ def test_workload_reused_and_evicted(runs: dict[str, dict[str, Any]], model: str
 
 
 @pytest.mark.parametrize("model", list(ve.MODELS))
-def test_engine_published_the_expected_groups(runs: dict[str, dict[str, Any]],
-                                              model: str) -> None:
+def test_engine_published_the_expected_groups(runs: dict[str, dict[str, Any]], model: str) -> None:
     groups = _run(runs, model)["summary"]["groups"]
     want = {str(g): kind for g, kind in enumerate(ve.MODELS[model]["groups"])}
     assert groups == want

@@ -39,19 +39,59 @@ def _exercise(client: redis.Redis | redis.RedisCluster) -> None:
 
 def _make_certs(d: Path) -> dict[str, str]:
     """A private CA, a server certificate for 127.0.0.1 and a client certificate."""
+
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-        "-keyout", "ca.key", "-out", "ca.crt")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
     for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", f"{name}.crt")
-    return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt",
-                                    "client.key")}
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{name}.crt",
+        )
+    return {
+        n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +100,18 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _tls_args(certs: dict[str, str], port: int, clients: str = "optional") -> list[str]:
-    return ["--tls-port", str(port), "--tls-cert-file", certs["server.crt"],
-            "--tls-key-file", certs["server.key"], "--tls-ca-cert-file", certs["ca.crt"],
-            "--tls-auth-clients", clients]
+    return [
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        certs["server.crt"],
+        "--tls-key-file",
+        certs["server.key"],
+        "--tls-ca-cert-file",
+        certs["ca.crt"],
+        "--tls-auth-clients",
+        clients,
+    ]
 
 
 @pytest.fixture()
@@ -73,8 +122,7 @@ def started() -> Iterator[list[Node | Cluster]]:
         s.cleanup()
 
 
-def test_password_from_config_env_and_file(started: list[Node | Cluster],
-                                           tmp_path: Path) -> None:
+def test_password_from_config_env_and_file(started: list[Node | Cluster], tmp_path: Path) -> None:
     node = Node(args=["--requirepass", PASSWORD], ping={"password": PASSWORD}).start()
     started.append(node)
     with pytest.raises(redis.AuthenticationError):
@@ -90,8 +138,7 @@ def test_password_from_config_env_and_file(started: list[Node | Cluster],
 
 
 def test_acl_user_limited_to_the_project_keys(started: list[Node | Cluster]) -> None:
-    acl = ["--user", "default", "off", "--user", "indexer", "on", f">{PASSWORD}", "~ci:*",
-           "+@all"]
+    acl = ["--user", "default", "off", "--user", "indexer", "on", f">{PASSWORD}", "~ci:*", "+@all"]
     node = Node(args=acl, ping={"username": "indexer", "password": PASSWORD}).start()
     started.append(node)
     cfg = RedisConfig(url=node.url, username="indexer", password=PASSWORD)
@@ -103,29 +150,37 @@ def test_acl_user_limited_to_the_project_keys(started: list[Node | Cluster]) -> 
         connect(dataclasses.replace(cfg, password="wrong")).ping()
 
 
-def test_tls_with_ca_file_and_client_certificate(started: list[Node | Cluster],
-                                                 certs: dict[str, str]) -> None:
+def test_tls_with_ca_file_and_client_certificate(
+    started: list[Node | Cluster], certs: dict[str, str]
+) -> None:
     tls_port = reserve_port()
     node = Node(args=_tls_args(certs, tls_port, clients="yes")).start()
     started.append(node)
     url = f"rediss://127.0.0.1:{tls_port}/0"
-    mutual = RedisTLS(ca_file=certs["ca.crt"], cert_file=certs["client.crt"],
-                      key_file=certs["client.key"])
+    mutual = RedisTLS(
+        ca_file=certs["ca.crt"], cert_file=certs["client.crt"], key_file=certs["client.key"]
+    )
     _exercise(connect(RedisConfig(url=url, tls=mutual)))  # type: ignore[arg-type]
-    via_flag = RedisConfig(url=f"redis://127.0.0.1:{tls_port}/0",
-                           tls=dataclasses.replace(mutual, enabled=True))
+    via_flag = RedisConfig(
+        url=f"redis://127.0.0.1:{tls_port}/0", tls=dataclasses.replace(mutual, enabled=True)
+    )
     assert connect(via_flag).ping(), "tls.enabled turns a redis:// URL into TLS"
     with pytest.raises(redis.ConnectionError):  # the server's CA is not trusted
-        connect(RedisConfig(url=url, tls=RedisTLS(cert_file=certs["client.crt"],
-                                                   key_file=certs["client.key"]))).ping()
+        connect(
+            RedisConfig(
+                url=url, tls=RedisTLS(cert_file=certs["client.crt"], key_file=certs["client.key"])
+            )
+        ).ping()
     with pytest.raises(redis.ConnectionError):  # no client certificate
         connect(RedisConfig(url=url, tls=RedisTLS(ca_file=certs["ca.crt"]))).ping()
 
 
-def test_cluster_with_password_and_tls(started: list[Node | Cluster],
-                                       certs: dict[str, str]) -> None:
-    cluster = Cluster(3, ping={"password": PASSWORD}, extra=[
-        "--requirepass", PASSWORD, "--masterauth", PASSWORD])
+def test_cluster_with_password_and_tls(
+    started: list[Node | Cluster], certs: dict[str, str]
+) -> None:
+    cluster = Cluster(
+        3, ping={"password": PASSWORD}, extra=["--requirepass", PASSWORD, "--masterauth", PASSWORD]
+    )
     for node in cluster.nodes:
         tls_port = reserve_port()
         node.args += [*_tls_args(certs, tls_port), "--tls-cluster", "yes"]
@@ -133,8 +188,12 @@ def test_cluster_with_password_and_tls(started: list[Node | Cluster],
     started.append(cluster)
     cluster.start(cli_args=["-a", PASSWORD, "--no-auth-warning"])  # over the plain ports
     first = cluster.nodes[0].tls_port  # type: ignore[attr-defined]
-    cfg = RedisConfig(url=f"rediss://127.0.0.1:{first}/0", cluster=True, password=PASSWORD,
-                      tls=RedisTLS(ca_file=certs["ca.crt"]))
+    cfg = RedisConfig(
+        url=f"rediss://127.0.0.1:{first}/0",
+        cluster=True,
+        password=PASSWORD,
+        tls=RedisTLS(ca_file=certs["ca.crt"]),
+    )
     client = connect(cfg, retries=3)
     _exercise(client)  # type: ignore[arg-type]
     ports = {n.port for n in client.get_nodes()}  # type: ignore[union-attr]
@@ -142,19 +201,35 @@ def test_cluster_with_password_and_tls(started: list[Node | Cluster],
 
 
 def test_api_process_takes_the_password_from_the_environment(
-        started: list[Node | Cluster], tmp_path: Path, subprocess_env: dict[str, str],
-        procs: list[subprocess.Popen[bytes]]) -> None:
+    started: list[Node | Cluster],
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
     """What the chart does: the password comes from a Secret as CACHE_INDEXER_REDIS_PASSWORD."""
     node = Node(args=["--requirepass", PASSWORD], ping={"password": PASSWORD}).start()
     started.append(node)
     api = reserve_port()
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"redis": {"url": node.url},
-                                      "http": {"addr": f"127.0.0.1:{api}", "workers": 1}}))
+    config.write_text(
+        yaml.safe_dump(
+            {"redis": {"url": node.url}, "http": {"addr": f"127.0.0.1:{api}", "workers": 1}}
+        )
+    )
     env = dict(subprocess_env, CACHE_INDEXER_REDIS_PASSWORD=PASSWORD)
     log = open(tmp_path / "api.log", "ab")  # noqa: SIM115 - handed to the child
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "api", "--config",
-                                   str(config)], cwd=ROOT, env=env, stdout=log, stderr=log))
-    wait_for(lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,
-             timeout=30, what="the API to be ready with the password from the environment")
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "api", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
+    )
+    wait_for(
+        lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,
+        timeout=30,
+        what="the API to be ready with the password from the environment",
+    )
     assert PASSWORD not in (tmp_path / "api.log").read_text(), "the password is never logged"

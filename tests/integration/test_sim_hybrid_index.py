@@ -35,28 +35,43 @@ def sims() -> Iterator[list[SimulatedVLLM]]:
 
 def _ask(client: falcon.testing.TestClient, request: Request) -> dict[str, object]:
     doc = {"server_ip": [IP], "body": {"token_ids": list(request.token_ids), "block_size": 16}}
-    result = client.simulate_post("/kv-cache/hit-rate", body=orjson.dumps(doc),
-                                  params={"detail": "1"})
+    result = client.simulate_post(
+        "/kv-cache/hit-rate", body=orjson.dumps(doc), params={"detail": "1"}
+    )
     assert result.status_code == 200, result.text
     score: dict[str, object] = result.json["server_score_list"][0]
     return score
 
 
-@pytest.mark.parametrize(("shape", "version", "chunk"), [
-    ("gemma3", "0.30.0", 0), ("qwen3next", "0.28.0", 32), ("gptoss", "0.24.0", 0)])
+@pytest.mark.parametrize(
+    ("shape", "version", "chunk"),
+    [("gemma3", "0.30.0", 0), ("qwen3next", "0.28.0", 32), ("gptoss", "0.24.0", 0)],
+)
 def test_the_index_answers_the_simulators_hybrid_truth(
-        redis_client: redis.Redis, ingester: Callable[..., InProcessIngester],
-        sims: list[SimulatedVLLM], shape: str, version: str, chunk: int) -> None:
+    redis_client: redis.Redis,
+    ingester: Callable[..., InProcessIngester],
+    sims: list[SimulatedVLLM],
+    shape: str,
+    version: str,
+    chunk: int,
+) -> None:
     store = Store(redis_client)
-    sim = SimulatedVLLM(f"tcp://*:{reserve_ports()}", f"tcp://*:{reserve_ports()}",
-                        "kv-events", vllm_version=version, num_blocks=90, model_shape=shape,
-                        prefill_chunk=chunk)
+    sim = SimulatedVLLM(
+        f"tcp://*:{reserve_ports()}",
+        f"tcp://*:{reserve_ports()}",
+        "kv-events",
+        vllm_version=version,
+        num_blocks=90,
+        model_shape=shape,
+        prefill_chunk=chunk,
+    )
     sims.append(sim)
     ingester()
     register(store, IP, sim)
     workload = Workload("mixed", prompts=10, prompt_len=120, block_size=16, seed=6)
     client = falcon.testing.TestClient(
-        create_app(ApiSettings(), store, BlockHasher(ApiSettings().hash), ApiMetrics()))
+        create_app(ApiSettings(), store, BlockHasher(ApiSettings().hash), ApiMetrics())
+    )
     seen: dict[Request, None] = {}
     checked = hits = below_fa = 0
     for step in range(1, 31):
@@ -76,8 +91,9 @@ def test_the_index_answers_the_simulators_hybrid_truth(
             assert got["l1_hit_tokens"] == want, (step, len(request.token_ids), got)
             checked += 1
             hits += want > 0
-            below_fa += want < min(sim.true_prefix_len(request) * 16,
-                                   (len(request.token_ids) - 1) // 16 * 16)
+            below_fa += want < min(
+                sim.true_prefix_len(request) * 16, (len(request.token_ids) - 1) // 16 * 16
+            )
     assert sum(m.rejected for m in sim.models.values()) == 0
     assert checked > 100 and hits > 20, (checked, hits)
     assert below_fa, "some answers must be below the full-attention prefix"

@@ -57,8 +57,13 @@ def test_non_wildcard_endpoint_connects_to_a_binding_subscriber() -> None:
 @pytest.mark.parametrize(("version", "width"), [((0, 25, 0), 3), ((0, 26, 0), 4)])
 def test_replay_framing_by_version(version: tuple[int, int, int], width: int) -> None:
     rport = reserve_ports()
-    pub = Publisher(f"tcp://*:{reserve_ports()}", f"tcp://*:{rport}", "kv-events",
-                    vllm_version=version, buffer_steps=3)
+    pub = Publisher(
+        f"tcp://*:{reserve_ports()}",
+        f"tcp://*:{rport}",
+        "kv-events",
+        vllm_version=version,
+        buffer_steps=3,
+    )
     try:
         for _ in range(5):
             pub.publish([AllBlocksCleared()])
@@ -91,13 +96,19 @@ def test_hybrid_events_decode_with_each_groups_fields() -> None:
     window tail) occur; the decoded events replay to the state file's residency, from which
     vLLM's hit follows."""
     rport = reserve_ports()
-    sim = SimulatedVLLM(f"tcp://*:{reserve_ports()}", f"tcp://*:{rport}", "kv-events",
-                        vllm_version="0.28.0", num_blocks=60, model_shape="gemma3")
+    sim = SimulatedVLLM(
+        f"tcp://*:{reserve_ports()}",
+        f"tcp://*:{rport}",
+        "kv-events",
+        vllm_version="0.28.0",
+        num_blocks=60,
+        model_shape="gemma3",
+    )
     try:
         workload = Workload("mixed", prompts=8, prompt_len=120, block_size=16, seed=4)
         served = [workload.next() for _ in range(120)]
         for i in range(0, len(served), 2):
-            sim.serve(served[i:i + 2])
+            sim.serve(served[i : i + 2])
         sim.flush()
         got = fetch_replay(zmq.Context.instance(), f"tcp://127.0.0.1:{rport}", 0, timeout=5)
         assert got.complete and len(got.batches) == sim.last_seq() + 1
@@ -116,22 +127,35 @@ def test_hybrid_events_decode_with_each_groups_fields() -> None:
                     removes += 1
                     continue
                 assert isinstance(e, BlockStored) and e.group_idx in (0, 1, 2)
-                assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == \
-                    (("sliding_window", 64) if e.group_idx < 2 else ("full_attention", None))
+                assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (
+                    ("sliding_window", 64) if e.group_idx < 2 else ("full_attention", None)
+                )
                 assert e.block_size == 16 and len(e.token_ids) % 16 == 0 and e.token_ids
                 net[e.group_idx].update(int(h) for h in e.block_hashes)
                 empties += not e.block_hashes
-                sparse_roots += e.parent_block_hash is None and \
-                    0 < len(e.block_hashes) * 16 < len(e.token_ids)
+                sparse_roots += e.parent_block_hash is None and 0 < len(e.block_hashes) * 16 < len(
+                    e.token_ids
+                )
         assert removes and empties and sparse_roots
         state = sim.state()
         groups = state["ranks"]["0"]["gpu_groups"]
-        assert [+c for c in net] == [Counter({int(h): n for h, n in groups[g].items()})
-                                     for g in ("0", "1", "2")]
-        assert state["groups"][2] == {"group": 2, "kind": "full_attention", "block_size": 16,
-                                      "sliding_window": None}
-        hits = [(state_hit_tokens(state, sim.models[0].hashes(r), len(r.token_ids)),
-                 sim.true_hit_tokens(r), sim.true_prefix_len(r) * 16) for r in served]
+        assert [+c for c in net] == [
+            Counter({int(h): n for h, n in groups[g].items()}) for g in ("0", "1", "2")
+        ]
+        assert state["groups"][2] == {
+            "group": 2,
+            "kind": "full_attention",
+            "block_size": 16,
+            "sliding_window": None,
+        }
+        hits = [
+            (
+                state_hit_tokens(state, sim.models[0].hashes(r), len(r.token_ids)),
+                sim.true_hit_tokens(r),
+                sim.true_prefix_len(r) * 16,
+            )
+            for r in served
+        ]
         assert all(h == t for h, t, _ in hits)
         assert any(h > 0 for h, _, _ in hits), "some prompts must hit"
         assert any(h < fa for h, _, fa in hits), "the full-attention prefix over-reports"
@@ -146,21 +170,49 @@ def test_simulate_vllm_cli_plays_a_hybrid_and_reports_its_groups(tmp_path: Path)
     warm, state = tmp_path / "warm.json", tmp_path / "sim.json"
     tokens = list(range(7, 107))  # 100 tokens: 6 full blocks
     warm.write_text(json.dumps(tokens))
-    base = [sys.executable, "-m", "services.cli", "simulate-vllm", "--endpoint",
-            f"tcp://*:{reserve_ports()}", "--model-shape", "qwen3next"]
+    base = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "simulate-vllm",
+        "--endpoint",
+        f"tcp://*:{reserve_ports()}",
+        "--model-shape",
+        "qwen3next",
+    ]
     run = subprocess.run(
-        [*base, "--warm-prompt-file", str(warm), "--rate", "50", "--duration", "0.5",
-         "--state-file", str(state)], cwd=ROOT, env=child_env(), capture_output=True,
-        timeout=60)
+        [
+            *base,
+            "--warm-prompt-file",
+            str(warm),
+            "--rate",
+            "50",
+            "--duration",
+            "0.5",
+            "--state-file",
+            str(state),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     truth = json.loads(state.read_text())
     assert truth["finished"] and truth["model_shape"] == "qwen3next"
-    assert [(g["group"], g["kind"]) for g in truth["groups"]] == [(0, "mamba"),
-                                                                   (1, "full_attention")]
+    assert [(g["group"], g["kind"]) for g in truth["groups"]] == [
+        (0, "mamba"),
+        (1, "full_attention"),
+    ]
     hashes = BlockHasher(HashSettings()).event_ints(tokens, 16, None)
     assert str(hashes[5]) in truth["ranks"]["0"]["gpu_groups"]["0"]
     assert truth["ranks"]["0"]["gpu"] == truth["ranks"]["0"]["gpu_groups"]["0"]
     assert state_hit_tokens(truth, hashes, len(tokens)) == 96
-    old = subprocess.run([*base, "--vllm-version", "0.21.0", "--duration", "0.1"], cwd=ROOT,
-                         env=child_env(), capture_output=True, timeout=60)
+    old = subprocess.run(
+        [*base, "--vllm-version", "0.21.0", "--duration", "0.1"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        timeout=60,
+    )
     assert old.returncode == 2 and b"vLLM >= 0.22" in old.stderr

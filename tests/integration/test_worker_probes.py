@@ -41,20 +41,43 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 def test_l1_ingest_probes_follow_its_loop_and_redis(
-        own_redis: RedisServer, tmp_path: Path, subprocess_env: dict[str, str],
-        procs: list[subprocess.Popen[bytes]]) -> None:
+    own_redis: RedisServer,
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
     port = reserve_port()
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis": {"url": own_redis.url, "socketTimeout": "1h", "connectTimeout": "1s"},
-        "metrics": {"port": port, "livenessTimeout": f"{LIVENESS}s"},
-        "ingest": {"l1": {"backoffInitial": "50ms", "backoffMax": "200ms"}},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "redis": {"url": own_redis.url, "socketTimeout": "1h", "connectTimeout": "1s"},
+                "metrics": {"port": port, "livenessTimeout": f"{LIVENESS}s"},
+                "ingest": {"l1": {"backoffInitial": "50ms", "backoffMax": "200ms"}},
+            }
+        )
+    )
     log = (tmp_path / "ingester.log").open("ab")
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "l1-ingest", "--config", str(config),
-         "--shard", "0", "--shards", "1"], cwd=ROOT, env=subprocess_env, stdout=log,
-        stderr=subprocess.STDOUT))
+    procs.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "l1-ingest",
+                "--config",
+                str(config),
+                "--shard",
+                "0",
+                "--shards",
+                "1",
+            ],
+            cwd=ROOT,
+            env=subprocess_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    )
     wait_for(lambda: _get(port, "/readyz") == (200, "ok\n"), timeout=30, what="ready")
     assert _get(port, "/healthz") == (200, "ok\n")
     assert "cache_indexer_l1_subscribed_ranks" in _get(port, "/metrics")[1]
@@ -62,8 +85,11 @@ def test_l1_ingest_probes_follow_its_loop_and_redis(
     assert own_redis.proc is not None
     own_redis.proc.send_signal(signal.SIGSTOP)  # the redis-server this test started
     try:
-        status, text = wait_for(lambda: (r := _get(port, "/healthz"))[0] == 503 and r,
-                                timeout=LIVENESS + 20, what="/healthz to fail")
+        status, text = wait_for(
+            lambda: (r := _get(port, "/healthz"))[0] == 503 and r,
+            timeout=LIVENESS + 20,
+            what="/healthz to fail",
+        )
         assert "assignment loop" in text
         assert _get(port, "/readyz")[0] == 503
         assert procs[0].poll() is None
@@ -74,8 +100,11 @@ def test_l1_ingest_probes_follow_its_loop_and_redis(
 
     own_redis.stop()
     try:
-        status, text = wait_for(lambda: (r := _get(port, "/readyz"))[0] == 503 and r,
-                                timeout=20, what="/readyz to fail without Redis")
+        status, text = wait_for(
+            lambda: (r := _get(port, "/readyz"))[0] == 503 and r,
+            timeout=20,
+            what="/readyz to fail without Redis",
+        )
         assert "cannot read the registry" in text
         assert _get(port, "/healthz")[0] == 200, "failing fast is progress: live, not ready"
     finally:

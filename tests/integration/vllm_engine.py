@@ -36,8 +36,9 @@ from common.blockhash import BlockHasher
 from tests.conftest import wait_for
 
 VLLM_VERSION = "0.32.0"
-VENV = Path(os.environ.get("VLLM_ENGINE_VENV",
-                           f"/var/tmp/cache-indexer-vllm-engine-{VLLM_VERSION}"))
+VENV = Path(
+    os.environ.get("VLLM_ENGINE_VENV", f"/var/tmp/cache-indexer-vllm-engine-{VLLM_VERSION}")
+)
 BLOCK = 32
 MAX_MODEL_LEN = 512
 TOPIC = "kv-events"
@@ -47,58 +48,122 @@ scored: vLLM queues a step's batch to its publisher thread before it returns the
 outputs, so the batch is normally out already; the window covers the thread's hand-off."""
 
 _QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-    "vocab_size": 151936, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
-    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 _GEMMA3 = {
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-    "query_pre_attn_scalar": 32, "vocab_size": 262208, "max_position_embeddings": 4096,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "vocab_size": 262208,
+    "max_position_embeddings": 4096,
     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-    "sliding_window": 64, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 64,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
     },
-    "tie_word_embeddings": True, "torch_dtype": "float32",
-    "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
 }
 
 _QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
     "layer_types": ["linear_attention", "full_attention"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 256,
-    "linear_num_key_heads": 1, "linear_num_value_heads": 1,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "hidden_act": "silu", "partial_rotary_factor": 0.25,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                        "partial_rotary_factor": 0.25},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 1,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 MODELS: dict[str, dict[str, Any]] = {
     # name: config.json, --dtype, --num-gpu-blocks-override, the group kinds the engine
     # publishes (index = group_idx), and whether the MooncakeStoreConnector is on
-    "dense": {"config": _QWEN3, "dtype": "float32", "blocks": 48,
-              "groups": ["full_attention"], "mooncake": False},
-    "swa": {"config": _GEMMA3, "dtype": "float32", "blocks": 96,
-            "groups": ["sliding_window", "sliding_window", "full_attention"], "mooncake": False},
-    "linear": {"config": _QWEN3_NEXT, "dtype": "bfloat16", "blocks": 96,
-               "groups": ["mamba", "full_attention"], "mooncake": False},
-    "dense-mooncake": {"config": _QWEN3, "dtype": "float32", "blocks": 48,
-                       "groups": ["full_attention"], "mooncake": True},
+    "dense": {
+        "config": _QWEN3,
+        "dtype": "float32",
+        "blocks": 48,
+        "groups": ["full_attention"],
+        "mooncake": False,
+    },
+    "swa": {
+        "config": _GEMMA3,
+        "dtype": "float32",
+        "blocks": 96,
+        "groups": ["sliding_window", "sliding_window", "full_attention"],
+        "mooncake": False,
+    },
+    "linear": {
+        "config": _QWEN3_NEXT,
+        "dtype": "bfloat16",
+        "blocks": 96,
+        "groups": ["mamba", "full_attention"],
+        "mooncake": False,
+    },
+    "dense-mooncake": {
+        "config": _QWEN3,
+        "dtype": "float32",
+        "blocks": 48,
+        "groups": ["full_attention"],
+        "mooncake": True,
+    },
 }
 """The four runs of tests/integration/test_real_vllm_engine.py, in the order they run."""
 
@@ -123,31 +188,65 @@ def write_model(root: Path, name: str) -> Path:
     """A model directory for ``name`` under ``root``: just its ``config.json``."""
     model_dir = root / name
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(MODELS[name]["config"], indent=1),
-                                           encoding="utf-8")
+    (model_dir / "config.json").write_text(
+        json.dumps(MODELS[name]["config"], indent=1), encoding="utf-8"
+    )
     return model_dir
 
 
-def engine_argv(model_dir: Path, name: str, host: str, port: int, pub: int, replay: int,
-                venv: Path = VENV) -> list[str]:
+def engine_argv(
+    model_dir: Path, name: str, host: str, port: int, pub: int, replay: int, venv: Path = VENV
+) -> list[str]:
     """The OpenAI API server of vLLM for one model, its KV events on ``tcp://*:pub``
     (vLLM binds only a wildcard address: run it in a private network namespace)."""
     spec = MODELS[name]
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": TOPIC,
-              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": TOPIC,
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
     argv = [
-        str(engine_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--host", host, "--port", str(port),
-        "--load-format", "dummy", "--skip-tokenizer-init", "--enable-prefix-caching",
-        "--block-size", str(BLOCK), "--prefix-caching-hash-algo", "sha256_cbor",
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", spec["dtype"],
-        "--num-gpu-blocks-override", str(spec["blocks"]),
-        "--kv-cache-memory-bytes", str(4 << 20), "--enable-prompt-tokens-details",
-        "--seed", "0", "--max-num-seqs", "4", "--kv-events-config", json.dumps(events),
+        str(engine_python(venv)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--enable-prefix-caching",
+        "--block-size",
+        str(BLOCK),
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--dtype",
+        spec["dtype"],
+        "--num-gpu-blocks-override",
+        str(spec["blocks"]),
+        "--kv-cache-memory-bytes",
+        str(4 << 20),
+        "--enable-prompt-tokens-details",
+        "--seed",
+        "0",
+        "--max-num-seqs",
+        "4",
+        "--kv-events-config",
+        json.dumps(events),
     ]
     if spec["mooncake"]:
-        argv += ["--kv-transfer-config",
-                 json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"})]
+        argv += [
+            "--kv-transfer-config",
+            json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}),
+        ]
     return argv
 
 
@@ -155,9 +254,16 @@ def engine_env(host: str, mooncake_config: Path | None = None) -> dict[str, str]
     """The engine's environment: a fixed NONE_HASH seed (the index's default
     ``blockKey.pythonHashSeed``), 64-bit int hashes on the events, one OpenMP thread."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PYTHONHASHSEED="0", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_HOST_IP=host, OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.update(
+        PYTHONHASHSEED="0",
+        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_HOST_IP=host,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
     if mooncake_config is not None:
         env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config)
     return env
@@ -165,14 +271,23 @@ def engine_env(host: str, mooncake_config: Path | None = None) -> dict[str, str]
 
 def write_mooncake_config(path: Path, master_rpc: str) -> Path:
     """The MooncakeStoreConnector's client config: P2P handshake, TCP, 64 MB segments."""
-    path.write_text(json.dumps({
-        "metadata_server": "P2PHANDSHAKE", "master_server_address": master_rpc,
-        "protocol": "tcp", "global_segment_size": "64MB", "local_buffer_size": "64MB",
-    }), encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master_rpc,
+                "protocol": "tcp",
+                "global_segment_size": "64MB",
+                "local_buffer_size": "64MB",
+            }
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
 # -- the engine's event stream ----------------------------------------------------------
+
 
 class Capture:
     """Every batch the engine publishes, in sequence order, from a SUB socket of ours (a gap,
@@ -231,8 +346,10 @@ class Capture:
             held = self.held.setdefault(ev.get("group_idx") or 0, Counter())
             if ev["type"] == "BlockStored":
                 held.update(ev["block_hashes"])
-                self.kinds[ev.get("group_idx") or 0] = (ev.get("kv_cache_spec_kind") or "-",
-                                                        ev["block_size"])
+                self.kinds[ev.get("group_idx") or 0] = (
+                    ev.get("kv_cache_spec_kind") or "-",
+                    ev["block_size"],
+                )
             elif ev["type"] == "BlockRemoved":
                 held.subtract(ev["block_hashes"])
             elif ev["type"] == "AllBlocksCleared":
@@ -248,19 +365,26 @@ class Capture:
         at the LCM of the groups' block sizes (Qwen3-Next here), else by every k-th hash of
         the chain at ``BLOCK``; either, fully held, shows the prompt's step was published."""
         with self.lock:
-            fa = [(g, size) for g, (kind, size) in self.kinds.items()
-                  if kind in ("full_attention", "-")]
+            fa = [
+                (g, size)
+                for g, (kind, size) in self.kinds.items()
+                if kind in ("full_attention", "-")
+            ]
             if not fa:
                 return len(prompt) < BLOCK
             group, size = fa[0]
             k = size // BLOCK
-            names = (hasher.event_ints(prompt, size), hasher.event_ints(prompt, BLOCK)[k - 1::k])
+            names = (hasher.event_ints(prompt, size), hasher.event_ints(prompt, BLOCK)[k - 1 :: k])
             return any(all(self.held[group][h] > 0 for h in want) for want in names)
 
     def wait_quiet(self, since: float, timeout: float = 10.0) -> None:
         """Until the PUB has been silent for :data:`QUIET` after ``since`` (monotonic)."""
-        wait_for(lambda: time.monotonic() - max(since, self.last_frame) >= QUIET,
-                 timeout=timeout, interval=0.01, what="the engine's KV events to go quiet")
+        wait_for(
+            lambda: time.monotonic() - max(since, self.last_frame) >= QUIET,
+            timeout=timeout,
+            interval=0.01,
+            what="the engine's KV events to go quiet",
+        )
 
     def decoded(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -268,8 +392,15 @@ class Capture:
         out = []
         for seq, payload in items:
             ts, events, *rest = msgpack.unpackb(payload, raw=False)
-            out.append({"seq": seq, "ts": ts, "dp_rank": rest[0] if rest else None,
-                        "events": events, "payload": base64.b64encode(payload).decode()})
+            out.append(
+                {
+                    "seq": seq,
+                    "ts": ts,
+                    "dp_rank": rest[0] if rest else None,
+                    "events": events,
+                    "payload": base64.b64encode(payload).decode(),
+                }
+            )
         return out
 
     def close(self) -> None:

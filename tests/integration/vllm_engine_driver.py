@@ -53,6 +53,7 @@ REQUESTS = 50
 
 # -- the workload ---------------------------------------------------------------------
 
+
 def workload(seed: int, count: int = REQUESTS) -> list[list[int]]:
     """Prompts of token ids below 1000: shared system prefixes, exact repeats, extensions
     of earlier prompts, fresh prompts; about a third block-aligned; up to 480 tokens, so
@@ -84,6 +85,7 @@ def workload(seed: int, count: int = REQUESTS) -> list[list[int]]:
 
 # -- one model's run --------------------------------------------------------------------
 
+
 class Run:
     """The engine, the master (Mooncake run) and cache-indexer's processes for one model."""
 
@@ -102,8 +104,15 @@ class Run:
 
     def _spawn(self, log: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         out = (self.tmp / log).open("ab")
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=out,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -111,47 +120,93 @@ class Run:
         mooncake_config = None
         if self.spec["mooncake"]:
             self.master_url = f"http://127.0.0.1:{self.master_admin}"
-            self._spawn("master.log", [
-                shutil.which("mooncake_master") or "mooncake_master",
-                "--rpc_address=127.0.0.1", f"--rpc_port={self.master_rpc}",
-                "--metrics_host=127.0.0.1", f"--metrics_port={self.master_admin}",
-                "--enable_metric_reporting=false"], child_env())
-            wait_for(lambda: httpx.get(self.master_url + "/health").status_code == 200,
-                     timeout=30, what="mooncake_master /health")
-            mooncake_config = ve.write_mooncake_config(self.tmp / "mooncake.json",
-                                                       f"127.0.0.1:{self.master_rpc}")
+            self._spawn(
+                "master.log",
+                [
+                    shutil.which("mooncake_master") or "mooncake_master",
+                    "--rpc_address=127.0.0.1",
+                    f"--rpc_port={self.master_rpc}",
+                    "--metrics_host=127.0.0.1",
+                    f"--metrics_port={self.master_admin}",
+                    "--enable_metric_reporting=false",
+                ],
+                child_env(),
+            )
+            wait_for(
+                lambda: httpx.get(self.master_url + "/health").status_code == 200,
+                timeout=30,
+                what="mooncake_master /health",
+            )
+            mooncake_config = ve.write_mooncake_config(
+                self.tmp / "mooncake.json", f"127.0.0.1:{self.master_rpc}"
+            )
         model_dir = ve.write_model(self.tmp, self.name)
         self.model = str(model_dir)
-        self.engine = self._spawn("engine.log", ve.engine_argv(
-            model_dir, self.name, IP, self.engine_port, self.pub, self.replay),
-            ve.engine_env(IP, mooncake_config))
+        self.engine = self._spawn(
+            "engine.log",
+            ve.engine_argv(model_dir, self.name, IP, self.engine_port, self.pub, self.replay),
+            ve.engine_env(IP, mooncake_config),
+        )
         config = self._write_config()
         env = child_env()
         for name in ("discovery", "l1-ingest", "api"):
-            self._spawn(f"{name}.log", [sys.executable, "-m", "services.cli", name,
-                                        "--config", str(config)], env)
+            self._spawn(
+                f"{name}.log",
+                [sys.executable, "-m", "services.cli", name, "--config", str(config)],
+                env,
+            )
         if self.spec["mooncake"]:
-            self._spawn("l3-poll.log", [sys.executable, "-m", "services.cli", "l3-poll",
-                                        "--config", str(config), "--metrics-port",
-                                        str(self.l3_metrics)], env)
+            self._spawn(
+                "l3-poll.log",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.cli",
+                    "l3-poll",
+                    "--config",
+                    str(config),
+                    "--metrics-port",
+                    str(self.l3_metrics),
+                ],
+                env,
+            )
         self._wait_ready()
 
     def _write_config(self) -> Path:
-        static: dict[str, Any] = {"vllm": [{
-            "ip": IP, "name": f"vllm-{self.name}", "zmqEndpoint": f"tcp://{IP}:{self.pub}",
-            "replayEndpoint": f"tcp://{IP}:{self.replay}"}]}
+        static: dict[str, Any] = {
+            "vllm": [
+                {
+                    "ip": IP,
+                    "name": f"vllm-{self.name}",
+                    "zmqEndpoint": f"tcp://{IP}:{self.pub}",
+                    "replayEndpoint": f"tcp://{IP}:{self.replay}",
+                }
+            ]
+        }
         if self.master_url:
             static["mooncakeMasters"] = [{"url": self.master_url, "name": "mooncake-master"}]
         path = self.tmp / "config.yaml"
-        path.write_text(yaml.safe_dump({
-            "redis": {"url": self.redis_url},
-            "http": {"addr": f"127.0.0.1:{self.api}", "workers": 1},
-            "blockKey": {"vllmVersion": ve.VLLM_VERSION},
-            "discovery": {"mode": "static", "static": static},
-            "ingest": {"l1": {"topic": ve.TOPIC, "backoffInitial": "100ms", "backoffMax": "1s",
-                              "leaseTTL": "2s", "heartbeatInterval": "500ms"},
-                       "l3": {"pollInterval": f"{L3_POLL_MS}ms", "httpTimeout": "2s"}},
-        }), encoding="utf-8")
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "redis": {"url": self.redis_url},
+                    "http": {"addr": f"127.0.0.1:{self.api}", "workers": 1},
+                    "blockKey": {"vllmVersion": ve.VLLM_VERSION},
+                    "discovery": {"mode": "static", "static": static},
+                    "ingest": {
+                        "l1": {
+                            "topic": ve.TOPIC,
+                            "backoffInitial": "100ms",
+                            "backoffMax": "1s",
+                            "leaseTTL": "2s",
+                            "heartbeatInterval": "500ms",
+                        },
+                        "l3": {"pollInterval": f"{L3_POLL_MS}ms", "httpTimeout": "2s"},
+                    },
+                }
+            ),
+            encoding="utf-8",
+        )
         return path
 
     def _wait_ready(self) -> None:
@@ -159,12 +214,19 @@ class Run:
             if self.engine.poll() is not None:
                 raise RuntimeError(f"the engine exited with {self.engine.returncode}")
             return httpx.get(f"http://{IP}:{self.engine_port}/health", timeout=2).is_success
+
         wait_for(engine_up, timeout=300, interval=0.5, what="the engine's /health")
         self.capture = ve.Capture(f"tcp://{IP}:{self.pub}", f"tcp://{IP}:{self.replay}")
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{self.api}/readyz", timeout=2)
-                 .is_success, timeout=60, what="the API's /readyz")
-        wait_for(lambda: self.store.l1_state(IP).get("subscribed_ms"), timeout=60,
-                 what="the L1 ingester to subscribe to the engine")
+        wait_for(
+            lambda: httpx.get(f"http://127.0.0.1:{self.api}/readyz", timeout=2).is_success,
+            timeout=60,
+            what="the API's /readyz",
+        )
+        wait_for(
+            lambda: self.store.l1_state(IP).get("subscribed_ms"),
+            timeout=60,
+            what="the L1 ingester to subscribe to the engine",
+        )
 
     def stop(self) -> None:
         if self.capture is not None:
@@ -192,13 +254,19 @@ class Run:
         assert self.capture is not None
         capture = self.capture
         if previous:
-            wait_for(lambda: capture.holds(previous, self.hasher), timeout=30,
-                     what="the engine's events to hold the previous prompt's blocks")
+            wait_for(
+                lambda: capture.holds(previous, self.hasher),
+                timeout=30,
+                what="the engine's events to hold the previous prompt's blocks",
+            )
         capture.wait_quiet(answered)
         last = capture.last_seq()
         if last is not None:
-            wait_for(lambda: _applied(self.store.last_seq(IP, 0), last), timeout=30,
-                     what=f"the index to apply batch {last}")
+            wait_for(
+                lambda: _applied(self.store.last_seq(IP, 0), last),
+                timeout=30,
+                what=f"the index to apply batch {last}",
+            )
         note: dict[str, Any] = {"after_seq": last}
         if self.spec["mooncake"] and previous:
             note["l3_keys_missing"] = self._wait_master(previous)
@@ -209,12 +277,15 @@ class Run:
     def _wait_master(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s full blocks the master still lacks after waiting."""
         base = Path(self.model).name
-        want = {f"{base}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{d.hex()}"
-                for d in self.hasher.digests(prompt, ve.BLOCK)}
+        want = {
+            f"{base}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{d.hex()}"
+            for d in self.hasher.digests(prompt, ve.BLOCK)
+        }
 
         def missing() -> set[str]:
             text = httpx.get(self.master_url + "/get_all_keys", timeout=5).text
             return want - set(text.split())
+
         try:
             wait_for(lambda: not missing(), timeout=10, what="the master to hold the blocks")
         except AssertionError:
@@ -223,19 +294,27 @@ class Run:
 
     def _l3_polls(self) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.l3_metrics}/metrics", timeout=5).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("cache_indexer_l3_write_seconds_count"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("cache_indexer_l3_write_seconds_count")
+        )
 
     def ask_index(self, prompt: list[int]) -> dict[str, Any]:
-        doc = httpx.post(f"http://127.0.0.1:{self.api}/kv-cache/hit-rate", params={"detail": 1},
-                         json={"server_ip": [IP], "body": {"token_ids": prompt,
-                                                           "block_size": ve.BLOCK}},
-                         timeout=10).json()
+        doc = httpx.post(
+            f"http://127.0.0.1:{self.api}/kv-cache/hit-rate",
+            params={"detail": 1},
+            json={"server_ip": [IP], "body": {"token_ids": prompt, "block_size": ve.BLOCK}},
+            timeout=10,
+        ).json()
         return dict(doc["server_score_list"][0])
 
     def ask_engine(self, prompt: list[int]) -> int:
-        resp = httpx.post(f"http://{IP}:{self.engine_port}/v1/completions", timeout=60, json={
-            "model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        resp = httpx.post(
+            f"http://{IP}:{self.engine_port}/v1/completions",
+            timeout=60,
+            json={"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        )
         resp.raise_for_status()
         details = resp.json()["usage"].get("prompt_tokens_details") or {}
         return int(details.get("cached_tokens") or 0)
@@ -249,9 +328,16 @@ class Run:
             score = self.ask_index(prompt)
             cached = self.ask_engine(prompt)
             answered = time.monotonic()
-            rows.append({"i": i, "len": len(prompt), **predict(score, len(prompt),
-                                                               self.spec["mooncake"]),
-                         "cached_tokens": cached, **note, "score": score})
+            rows.append(
+                {
+                    "i": i,
+                    "len": len(prompt),
+                    **predict(score, len(prompt), self.spec["mooncake"]),
+                    "cached_tokens": cached,
+                    **note,
+                    "score": score,
+                }
+            )
             previous = prompt
         assert self.capture is not None
         self.capture.wait_quiet(answered)
@@ -269,21 +355,29 @@ def predict(score: dict[str, Any], length: int, mooncake: bool) -> dict[str, Any
     if detail:
         l1, l3 = int(score["l1_hit_tokens"]), int(score["l3_hit_tokens"])
         exact = bool(score["l1_exact"]) and (not mooncake or bool(score["l3_exact"]))
-        reason = score.get("l1_inexact_reason") or (score.get("l3_inexact_reason")
-                                                    if mooncake else None)
+        reason = score.get("l1_inexact_reason") or (
+            score.get("l3_inexact_reason") if mooncake else None
+        )
     else:
         n, cap = length // ve.BLOCK, (length - 1) // ve.BLOCK
         l1, l3 = (min(round(score[f"{t}_hit_ratio"] * n), cap) * ve.BLOCK for t in ("l1", "l3"))
         exact, reason = True, None
-    return {"predicted": max(l1, l3) if mooncake else l1, "l1": l1, "l3": l3,
-            "exact": exact, "reason": reason, "detail": detail}
+    return {
+        "predicted": max(l1, l3) if mooncake else l1,
+        "l1": l1,
+        "l3": l3,
+        "exact": exact,
+        "reason": reason,
+        "detail": detail,
+    }
 
 
 def summarize(name: str, out: dict[str, Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
     rows = out["rows"]
     events = ve.event_summary(batches)
     return {
-        "model": name, "requests": len(rows),
+        "model": name,
+        "requests": len(rows),
         "equal": sum(r["predicted"] == r["cached_tokens"] for r in rows),
         "engine_hits": sum(r["cached_tokens"] > 0 for r in rows),
         "index_hits": sum(r["predicted"] > 0 for r in rows),
@@ -296,27 +390,43 @@ def summarize(name: str, out: dict[str, Any], batches: list[dict[str, Any]]) -> 
     }
 
 
-def write_capture(path: Path, name: str, out: dict[str, Any],
-                  batches: list[dict[str, Any]]) -> None:
+def write_capture(
+    path: Path, name: str, out: dict[str, Any], batches: list[dict[str, Any]]
+) -> None:
     """The golden capture of tests/data/hybrid/CAPTURES.md."""
     spec = ve.MODELS[name]
     doc = {
-        "format": 1, "vllm": ve.VLLM_VERSION, "model": name, "config": spec["config"],
-        "engine": {"block_size": ve.BLOCK, "num_gpu_blocks_override": spec["blocks"],
-                   "max_model_len": ve.MAX_MODEL_LEN, "dtype": spec["dtype"],
-                   "prefix_caching_hash_algo": "sha256_cbor", "python_hash_seed": "0",
-                   "int_block_hashes": True, "mooncake": spec["mooncake"]},
+        "format": 1,
+        "vllm": ve.VLLM_VERSION,
+        "model": name,
+        "config": spec["config"],
+        "engine": {
+            "block_size": ve.BLOCK,
+            "num_gpu_blocks_override": spec["blocks"],
+            "max_model_len": ve.MAX_MODEL_LEN,
+            "dtype": spec["dtype"],
+            "prefix_caching_hash_algo": "sha256_cbor",
+            "python_hash_seed": "0",
+            "int_block_hashes": True,
+            "mooncake": spec["mooncake"],
+        },
         "batches": [{k: b[k] for k in ("seq", "ts", "dp_rank", "payload")} for b in batches],
-        "requests": [{"token_ids": p, "after_seq": r["after_seq"],
-                      "cached_tokens": r["cached_tokens"],
-                      "index": {k: r[k] for k in ("predicted", "exact", "reason")}}
-                     for p, r in zip(out["prompts"], out["rows"], strict=True)],
+        "requests": [
+            {
+                "token_ids": p,
+                "after_seq": r["after_seq"],
+                "cached_tokens": r["cached_tokens"],
+                "index": {k: r[k] for k in ("predicted", "exact", "reason")},
+            }
+            for p, r in zip(out["prompts"], out["rows"], strict=True)
+        ],
     }
     path.write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
 
 
-def run_model(name: str, tmp: Path, server: Node, seed: int,
-              capture_dir: Path | None) -> dict[str, Any]:
+def run_model(
+    name: str, tmp: Path, server: Node, seed: int, capture_dir: Path | None
+) -> dict[str, Any]:
     redis.Redis.from_url(server.url).flushall()
     run = Run(name, tmp, server.url)
     started = time.monotonic()
@@ -327,18 +437,38 @@ def run_model(name: str, tmp: Path, server: Node, seed: int,
         assert run.capture is not None
         batches = run.capture.decoded()
         summary = summarize(name, out, batches)
-        summary["seconds"] = {"start": round(ready - started, 1),
-                              "workload": round(time.monotonic() - ready, 1)}
+        summary["seconds"] = {
+            "start": round(ready - started, 1),
+            "workload": round(time.monotonic() - ready, 1),
+        }
         if capture_dir is not None:
             write_capture(capture_dir / f"engine_capture_{name}.json", name, out, batches)
-        rows = [{k: r[k] for k in ("i", "len", "predicted", "cached_tokens", "l1", "l3",
-                                   "exact", "reason", "detail")} for r in out["rows"]]
+        rows = [
+            {
+                k: r[k]
+                for k in (
+                    "i",
+                    "len",
+                    "predicted",
+                    "cached_tokens",
+                    "l1",
+                    "l3",
+                    "exact",
+                    "reason",
+                    "detail",
+                )
+            }
+            for r in out["rows"]
+        ]
         return {"model": name, "summary": summary, "rows": rows}
     except Exception as exc:  # noqa: BLE001 - reported to the test with the logs
-        return {"model": name, "error": repr(exc), "l1_state": run.store.l1_state(IP),
-                "groups": run.store.groups(IP),
-                "logs": {p.name: p.read_text(errors="replace")[-4000:]
-                         for p in run.tmp.glob("*.log")}}
+        return {
+            "model": name,
+            "error": repr(exc),
+            "l1_state": run.store.l1_state(IP),
+            "groups": run.store.groups(IP),
+            "logs": {p.name: p.read_text(errors="replace")[-4000:] for p in run.tmp.glob("*.log")},
+        }
     finally:
         run.stop()
 
@@ -353,8 +483,10 @@ def main() -> int:
         server = RedisServer().start()
         try:
             for name in args.models.split(","):
-                print(json.dumps(run_model(name, Path(tmp), server, args.seed,
-                                           args.capture_dir)), flush=True)
+                print(
+                    json.dumps(run_model(name, Path(tmp), server, args.seed, args.capture_dir)),
+                    flush=True,
+                )
         finally:
             server.cleanup()
     return 0

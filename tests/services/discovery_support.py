@@ -51,29 +51,41 @@ def vllm_pod(name: str, ip: str, **kw: Any) -> dict[str, Any]:
 def set_ready(ready: bool) -> Any:
     def change(pod: dict[str, Any]) -> None:
         pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+
     return change
 
 
 class RunningDiscovery:
     """One discovery loop (source + reconciler) in a thread, like one process."""
 
-    def __init__(self, cfg: Config, path: Path | None,
-                 make_source: Callable[[DiscoveryMetrics], Source] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        path: Path | None,
+        make_source: Callable[[DiscoveryMetrics], Source] | None = None,
+    ) -> None:
         self.registry = Registry()
         self.metrics = DiscoveryMetrics.register(self.registry)
-        self.client = redis.Redis.from_url(cfg.redis.url, socket_timeout=1,
-                                           socket_connect_timeout=1)
+        self.client = redis.Redis.from_url(
+            cfg.redis.url, socket_timeout=1, socket_connect_timeout=1
+        )
         self.store = Store(self.client)
         self.holder = f"test-holder-{next(_ids)}"
         d = DiscoverySettings.from_config(cfg)
-        self.reconciler = Reconciler(self.store, self.holder, d.lease_ttl,
-                                     self.metrics)
-        self.source = (make_source(self.metrics) if make_source
-                       else build_source(d, str(path) if path else None, self.metrics))
+        self.reconciler = Reconciler(self.store, self.holder, d.lease_ttl, self.metrics)
+        self.source = (
+            make_source(self.metrics)
+            if make_source
+            else build_source(d, str(path) if path else None, self.metrics)
+        )
         self.stop = threading.Event()
         backoff = Backoff(d.backoff_initial, d.backoff_max)
-        self.thread = threading.Thread(target=run, name=self.holder, daemon=True,
-                                       args=(self.source, self.reconciler, self.stop, backoff))
+        self.thread = threading.Thread(
+            target=run,
+            name=self.holder,
+            daemon=True,
+            args=(self.source, self.reconciler, self.stop, backoff),
+        )
 
     @classmethod
     def from_file(cls, path: Path) -> RunningDiscovery:
@@ -95,7 +107,12 @@ class RunningDiscovery:
 
     def writes(self) -> float:
         """Registry writes this loop made (every action)."""
-        return float(sum(
-            s.value for family in self.registry.collector.collect()
-            if family.name == "cache_indexer_discovery_registry_changes"
-            for s in family.samples if s.name.endswith("_total")))
+        return float(
+            sum(
+                s.value
+                for family in self.registry.collector.collect()
+                if family.name == "cache_indexer_discovery_registry_changes"
+                for s in family.samples
+                if s.name.endswith("_total")
+            )
+        )

@@ -42,9 +42,17 @@ def _register(store: Store, ip: str, dp: int = 1) -> int:
     return store.upsert_instance(Instance(ip=ip, uid=f"u-{ip}", dp_size=dp))[1]
 
 
-def _index(store: Store, ip: str, held: dict[int, list[int]], members: list[int],
-           shape: tuple[tuple[int, str | None, int | None], ...] = GPTOSS, *,
-           dp: int = 1, h_cfg: int = 0, block: int = BS) -> int:
+def _index(
+    store: Store,
+    ip: str,
+    held: dict[int, list[int]],
+    members: list[int],
+    shape: tuple[tuple[int, str | None, int | None], ...] = GPTOSS,
+    *,
+    dp: int = 1,
+    h_cfg: int = 0,
+    block: int = BS,
+) -> int:
     """Index ``held[group]`` (chain positions) as one batch with each group's descriptor."""
     gen = _register(store, ip, dp)
     ops = TierOps()
@@ -56,17 +64,24 @@ def _index(store: Store, ip: str, held: dict[int, list[int]], members: list[int]
     return gen
 
 
-def _client(store: Store, hasher: BlockHasher,
-            metrics: ApiMetrics | None = None) -> falcon.testing.TestClient:
+def _client(
+    store: Store, hasher: BlockHasher, metrics: ApiMetrics | None = None
+) -> falcon.testing.TestClient:
     return falcon.testing.TestClient(
-        create_app(ApiSettings(), store, hasher, metrics or ApiMetrics()))
+        create_app(ApiSettings(), store, hasher, metrics or ApiMetrics())
+    )
 
 
-def _ask(client: falcon.testing.TestClient, ips: list[str], tokens: list[int] = PROMPT,
-         detail: bool = True) -> list[dict[str, Any]]:
+def _ask(
+    client: falcon.testing.TestClient,
+    ips: list[str],
+    tokens: list[int] = PROMPT,
+    detail: bool = True,
+) -> list[dict[str, Any]]:
     doc = {"server_ip": ips, "body": {"token_ids": tokens, "block_size": BS}}
-    result = client.simulate_post(PATH, body=orjson.dumps(doc),
-                                  params={"detail": "1"} if detail else None)
+    result = client.simulate_post(
+        PATH, body=orjson.dumps(doc), params={"detail": "1"} if detail else None
+    )
     assert result.status_code == 200, result.text
     scores: list[dict[str, Any]] = result.json["server_score_list"]
     return scores
@@ -87,8 +102,9 @@ def test_sliding_window_tail_decides_the_hit(store: Store, hasher: BlockHasher) 
     assert _ask(client, [HYB]) == [score], "the second request, from the cached view, agrees"
 
 
-def test_single_group_answers_as_before_and_detail_is_opt_in(store: Store,
-                                                             hasher: BlockHasher) -> None:
+def test_single_group_answers_as_before_and_detail_is_opt_in(
+    store: Store, hasher: BlockHasher
+) -> None:
     m = _members(hasher)
     _index(store, DENSE, {0: list(range(8))}, m, ((0, "full_attention", None),))
     store.replace_l3(DENSE, m[:3])
@@ -98,13 +114,14 @@ def test_single_group_answers_as_before_and_detail_is_opt_in(store: Store,
     (score,) = _ask(client, [DENSE])
     assert (score["l1_hit_tokens"], score["l3_hit_tokens"]) == (128, 48)
     assert score["l1_exact"] and score["l3_exact"]
-    aligned = PROMPT[:8 * BS]  # block-aligned and fully held: vLLM recomputes the last block
+    aligned = PROMPT[: 8 * BS]  # block-aligned and fully held: vLLM recomputes the last block
     (score,) = _ask(client, [DENSE], aligned)
     assert (score["l1_hit_ratio"], score["l1_hit_tokens"]) == (1.0, 7 * BS)
 
 
-def test_a_hybrid_is_read_twice_only_when_its_groups_change(store: Store,
-                                                            hasher: BlockHasher) -> None:
+def test_a_hybrid_is_read_twice_only_when_its_groups_change(
+    store: Store, hasher: BlockHasher
+) -> None:
     m = _members(hasher)
     metrics = ApiMetrics()
     client = _client(store, hasher, metrics)
@@ -113,8 +130,9 @@ def test_a_hybrid_is_read_twice_only_when_its_groups_change(store: Store,
 
     def rereads() -> float:
         text = metrics.render().decode()
-        line = next(x for x in text.splitlines()
-                    if x.startswith("cache_indexer_api_group_rereads_total"))
+        line = next(
+            x for x in text.splitlines() if x.startswith("cache_indexer_api_group_rereads_total")
+        )
         return float(line.split()[-1])
 
     assert _ask(client, [HYB, DENSE])[0]["l1_hit_tokens"] == 128
@@ -129,14 +147,21 @@ def test_a_hybrid_is_read_twice_only_when_its_groups_change(store: Store,
     assert rereads() == 2
 
 
-@pytest.mark.parametrize(("shape", "dp", "reason"), [
-    (((0, None, None), (1, "full_attention", None)), 1, "unknown_group_kind"),
-    (((0, "unknown", None), (1, "full_attention", None)), 1, "unknown_group_kind"),
-    (GPTOSS, 2, "dp_union"),
-])
-def test_inexact_hybrids_say_why(store: Store, hasher: BlockHasher,
-                                 shape: tuple[tuple[int, str | None, int | None], ...],
-                                 dp: int, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("shape", "dp", "reason"),
+    [
+        (((0, None, None), (1, "full_attention", None)), 1, "unknown_group_kind"),
+        (((0, "unknown", None), (1, "full_attention", None)), 1, "unknown_group_kind"),
+        (GPTOSS, 2, "dp_union"),
+    ],
+)
+def test_inexact_hybrids_say_why(
+    store: Store,
+    hasher: BlockHasher,
+    shape: tuple[tuple[int, str | None, int | None], ...],
+    dp: int,
+    reason: str,
+) -> None:
     m = _members(hasher)
     _index(store, HYB, {0: list(range(8)), 1: list(range(8))}, m, shape, dp=dp)
     store.r.hset(keys.l1_state(HYB), "hash_check", "ok")
@@ -144,12 +169,15 @@ def test_inexact_hybrids_say_why(store: Store, hasher: BlockHasher,
     (score,) = _ask(_client(store, hasher, metrics), [HYB])
     assert not score["l1_exact"] and reason in score["l1_inexact_reason"].split(",")
     assert score["l1_hit_tokens"] <= 128
-    assert f'cache_indexer_api_inexact_answers_total{{reason="{reason}",tier="l1"}} 1.0' in \
-        metrics.render().decode()
+    assert (
+        f'cache_indexer_api_inexact_answers_total{{reason="{reason}",tier="l1"}} 1.0'
+        in metrics.render().decode()
+    )
 
 
 def test_a_derived_hash_unit_is_exact_once_the_self_check_confirms_it(
-        store: Store, hasher: BlockHasher) -> None:
+    store: Store, hasher: BlockHasher
+) -> None:
     m = _members(hasher)
     gen = _index(store, HYB, {0: [6, 7], 1: list(range(8))}, m)
     client = _client(store, hasher)
@@ -160,8 +188,7 @@ def test_a_derived_hash_unit_is_exact_once_the_self_check_confirms_it(
     assert _ask(client, [HYB])[0]["l1_exact"]
 
 
-def test_a_configured_hash_unit_finer_than_the_blocks(store: Store,
-                                                      hasher: BlockHasher) -> None:
+def test_a_configured_hash_unit_finer_than_the_blocks(store: Store, hasher: BlockHasher) -> None:
     """A Qwen3.5-like model: Mamba and full attention at B = 4 × 16, prefix-match unit 16.
     The chain is hashed at 16; the FA group holds coarse block ends and a partial tail, the
     Mamba group one state; vLLM's fine-grained rule gives the Mamba state's length."""
@@ -182,8 +209,11 @@ def test_random_presence_matches_the_rule(store: Store, hasher: BlockHasher) -> 
     rng = random.Random(7)
     m = _members(hasher)
     shape = ((0, "sliding_window", 48), (1, "full_attention", None), (2, "mamba", None))
-    specs = [hit_rule.GroupSpec("sliding_window", BS, 48), hit_rule.GroupSpec("full_attention", BS),
-             hit_rule.GroupSpec("mamba", BS)]
+    specs = [
+        hit_rule.GroupSpec("sliding_window", BS, 48),
+        hit_rule.GroupSpec("full_attention", BS),
+        hit_rule.GroupSpec("mamba", BS),
+    ]
     rule = hit_rule.build_rule(specs, BS)
     client = _client(store, hasher)
     for trial in range(25):

@@ -45,20 +45,43 @@ def populate(store: Store) -> None:
     ops = TierOps()
     ops.store("l1", [11, 12, 13])
     assert store.apply_batch("10.0.0.5", gen, 0, 4, ops, owner="ing-1").status == "applied"
-    status = L1Status("10.0.0.5", gen, "ing-1", {
-        "ingester": "ing-1", "status_ms": str(now), "subscribed_ms": str(now - 9000),
-        "last_event_ms": str(now - 2000), "conn": "connected", "conn_detail": "tcp://x:5557",
-        "replaying": "0", "hash_check": "mismatch",
-        "hash_check_detail": "the engine hashes with pythonHashSeed '1' and sha256_cbor; "
-                             "the config says pythonHashSeed '0'"},
-        {"hash_check_ok": 0, "hash_check_mismatch": 3})
+    status = L1Status(
+        "10.0.0.5",
+        gen,
+        "ing-1",
+        {
+            "ingester": "ing-1",
+            "status_ms": str(now),
+            "subscribed_ms": str(now - 9000),
+            "last_event_ms": str(now - 2000),
+            "conn": "connected",
+            "conn_detail": "tcp://x:5557",
+            "replaying": "0",
+            "hash_check": "mismatch",
+            "hash_check_detail": "the engine hashes with pythonHashSeed '1' and sha256_cbor; "
+            "the config says pythonHashSeed '0'",
+        },
+        {"hash_check_ok": 0, "hash_check_mismatch": 3},
+    )
     assert store.write_l1_status([status]) == [True]
-    assert store.replace_l3("10.0.0.5", [11, 12], {
-        "master": URL, "updated_ms": str(now - 4000), "blocks": "2", "stale": "0"})
+    assert store.replace_l3(
+        "10.0.0.5",
+        [11, 12],
+        {"master": URL, "updated_ms": str(now - 4000), "blocks": "2", "stale": "0"},
+    )
     store.set_masters({URL: json.dumps({"pod": "mooncake-master-0"})})
-    store.r.hset(keys.master_state(URL), mapping={
-        "keys": "10", "keys_unparsed": "2", "sample_unparsed": "weird-key", "blocks": "2",
-        "updated_ms": str(now - 1000), "stale": "0", "error": ""})
+    store.r.hset(
+        keys.master_state(URL),
+        mapping={
+            "keys": "10",
+            "keys_unparsed": "2",
+            "sample_unparsed": "weird-key",
+            "blocks": "2",
+            "updated_ms": str(now - 1000),
+            "stale": "0",
+            "error": "",
+        },
+    )
 
 
 def test_document_shape(any_store: Store) -> None:
@@ -70,12 +93,26 @@ def test_document_shape(any_store: Store) -> None:
     a, b = doc["instances"]
     assert set(a) == {"server_ip", "pod", "l1", "l3", "groups"}
     assert (a["groups"]["hybrid"], a["groups"]["exact"], a["groups"]["inexact_reasons"]) == (
-        False, True, [])
-    assert {"state", "blocks", "hash_check", "hash_check_detail", "last_event_age_s", "gaps",
-            "ingester"} <= set(a["l1"])
+        False,
+        True,
+        [],
+    )
+    assert {
+        "state",
+        "blocks",
+        "hash_check",
+        "hash_check_detail",
+        "last_event_age_s",
+        "gaps",
+        "ingester",
+    } <= set(a["l1"])
     assert set(a["l3"]) == {"blocks", "age_s", "stale", "master"}
     assert (a["server_ip"], a["pod"], a["l1"]["state"], a["l1"]["blocks"]) == (
-        "10.0.0.5", "vllm-a", "synced", 3)
+        "10.0.0.5",
+        "vllm-a",
+        "synced",
+        3,
+    )
     assert a["l1"]["hash_check"] == "mismatch" and a["l1"]["hash_check_mismatch"] == 3
     assert "pythonHashSeed '1'" in a["l1"]["hash_check_detail"]
     assert 1.5 <= a["l1"]["last_event_age_s"] < 30 and a["l1"]["ingester"] == "ing-1"
@@ -85,20 +122,29 @@ def test_document_shape(any_store: Store) -> None:
     assert b["l1"]["state"] == "unassigned" and b["l1"]["hash_check"] == "unchecked"
     assert b["l3"] == {"blocks": None, "age_s": None, "stale": False, "master": None}
     (m,) = doc["masters"]
-    assert {k: m[k] for k in ("url", "keys", "keys_unparsed", "sample_unparsed", "stale",
-                              "error")} == {
-        "url": URL, "keys": 10, "keys_unparsed": 2, "sample_unparsed": "weird-key",
-        "stale": False, "error": None}
+    assert {
+        k: m[k] for k in ("url", "keys", "keys_unparsed", "sample_unparsed", "stale", "error")
+    } == {
+        "url": URL,
+        "keys": 10,
+        "keys_unparsed": 2,
+        "sample_unparsed": "weird-key",
+        "stale": False,
+        "error": None,
+    }
     assert set(m) >= {"url", "keys", "keys_unparsed", "sample_unparsed", "age_s", "stale"}
 
 
-@pytest.mark.parametrize(("fields", "state"), [
-    ({"conn": "unreachable"}, "unreachable"),
-    ({"replaying": "1"}, "replaying"),
-    ({"gap:0": "2"}, "gap"),
-    ({"last_event_ms": "-60000"}, "no_events"),
-    ({"status_ms": "-60000"}, "unassigned"),
-])
+@pytest.mark.parametrize(
+    ("fields", "state"),
+    [
+        ({"conn": "unreachable"}, "unreachable"),
+        ({"replaying": "1"}, "replaying"),
+        ({"gap:0": "2"}, "gap"),
+        ({"last_event_ms": "-60000"}, "no_events"),
+        ({"status_ms": "-60000"}, "unassigned"),
+    ],
+)
 def test_state_precedence(any_store: Store, fields: dict[str, str], state: str) -> None:
     populate(any_store)
     now = _now_ms(any_store)
@@ -128,6 +174,7 @@ class _Counting(redis.Redis):
         def execute(raise_on_error: bool = True) -> Any:
             _Counting.trips += 1
             return original(raise_on_error)
+
         pipe.execute = execute  # type: ignore[method-assign]
         return pipe
 
@@ -141,13 +188,15 @@ def test_one_round_trip_once_the_registry_is_known(redis_client: redis.Redis) ->
     _Counting.trips = 0
     again = build_report(reader.read(), Limits())
     assert [(i["server_ip"], i["l1"]["blocks"]) for i in again["instances"]] == [
-        (i["server_ip"], i["l1"]["blocks"]) for i in first["instances"]]
+        (i["server_ip"], i["l1"]["blocks"]) for i in first["instances"]
+    ]
     assert again["masters"][0]["keys"] == 10
     assert _Counting.trips == 1
     Store(redis_client).remove_instance("10.0.0.6")
     _Counting.trips = 0
     assert [i["server_ip"] for i in build_report(reader.read(), Limits())["instances"]] == [
-        "10.0.0.5"]
+        "10.0.0.5"
+    ]
     assert _Counting.trips == 1
 
 
@@ -155,8 +204,10 @@ def test_redis_down_is_a_500_and_metrics_still_answer() -> None:
     client = _client(Store(redis_client(Redis(url=f"redis://127.0.0.1:{reserve_port()}/0"))))
     result = client.simulate_get(PATH)
     assert result.status_code == 500
-    assert orjson.loads(result.content) == {"message": "the state store is unreachable",
-                                            "status": 500}
+    assert orjson.loads(result.content) == {
+        "message": "the state store is unreachable",
+        "status": 500,
+    }
     metrics = client.simulate_get("/metrics")
     assert metrics.status_code == 200
     assert 'cache_indexer_api_redis_errors_total{op="metrics"} 1' in metrics.text
@@ -167,8 +218,9 @@ def test_metrics_show_instance_states_and_master_keys(any_store: Store) -> None:
     text = _client(any_store).simulate_get("/metrics").text
     assert 'cache_indexer_instance_l1_state{server_ip="10.0.0.5",state="synced"} 1.0' in text
     assert 'cache_indexer_instance_l1_state{server_ip="10.0.0.6",state="unassigned"} 1.0' in text
-    assert 'cache_indexer_instance_l1_hash_check{result="mismatch",server_ip="10.0.0.5"} 1.0' \
-        in text
+    assert (
+        'cache_indexer_instance_l1_hash_check{result="mismatch",server_ip="10.0.0.5"} 1.0' in text
+    )
     assert f'cache_indexer_master_keys_unparsed{{url="{URL}"}} 2.0' in text
     assert 'cache_indexer_instance_blocks{server_ip="10.0.0.5",tier="l3"} 2.0' in text
 
@@ -178,8 +230,11 @@ def test_hybrid_groups_are_described_with_their_exactness(any_store: Store) -> N
     confirmed the derived hash unit; a chunked-local group without a chunk size is not."""
     _, gen = any_store.upsert_instance(Instance(ip="10.0.0.9", uid="u9"))
     ops = TierOps()
-    for g, kind, window in ((0, "sliding_window", 64), (1, "sliding_window", 64),
-                            (2, "full_attention", None)):
+    for g, kind, window in (
+        (0, "sliding_window", 64),
+        (1, "sliding_window", 64),
+        (2, "full_attention", None),
+    ):
         ops.describe(g, kind, 32, window)
     assert any_store.apply_batch("10.0.0.9", gen, 0, 0, ops).status == "applied"
     client = _client(any_store)
@@ -193,7 +248,10 @@ def test_hybrid_groups_are_described_with_their_exactness(any_store: Store) -> N
     assert got["hybrid"] is True and got["hash_unit"] == 32
     assert got["hash_unit_source"] == "events"
     assert [(g["group"], g["kind"], g["sliding_window"]) for g in got["kv_cache_groups"]] == [
-        (0, "sliding_window", 64), (1, "sliding_window", 64), (2, "full_attention", None)]
+        (0, "sliding_window", 64),
+        (1, "sliding_window", 64),
+        (2, "full_attention", None),
+    ]
     assert (got["exact"], got["inexact_reasons"]) == (False, ["unconfirmed_hash_unit"])
     any_store.write_l1_status([L1Status("10.0.0.9", gen, "", {"hash_check": "ok"})])
     assert (groups()["exact"], groups()["inexact_reasons"]) == (True, [])

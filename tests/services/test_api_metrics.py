@@ -24,8 +24,9 @@ def test_without_a_shared_dir_a_worker_renders_its_own_registry() -> None:
     text = metrics.render().decode()
     assert "cache_indexer_api_hashed_blocks_total 5.0" in text
     assert f'cache_indexer_api_requests_total{{path="{PATH}",status="200"}} 1.0' in text
-    assert f'cache_indexer_api_request_duration_seconds_bucket{{le="0.005",path="{PATH}"}} 1.0' \
-        in text
+    assert (
+        f'cache_indexer_api_request_duration_seconds_bucket{{le="0.005",path="{PATH}"}} 1.0' in text
+    )
     assert "_created" not in text
     assert metrics.requests.value(path=PATH, status="200") == 1
 
@@ -33,10 +34,18 @@ def test_without_a_shared_dir_a_worker_renders_its_own_registry() -> None:
 def test_the_gunicorn_master_does_not_import_prometheus_client() -> None:
     """prometheus_client picks its multiprocess values at import: the master, which sets
     PROMETHEUS_MULTIPROC_DIR in on_starting, must not have imported it before."""
-    code = ("import sys, services.cli, services.api.main, services.api.gunicorn_conf; "
-            "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, check=True, timeout=60)
+    code = (
+        "import sys, services.cli, services.api.main, services.api.gunicorn_conf; "
+        "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert out.stdout.strip() == "[]"
 
 

@@ -36,8 +36,9 @@ LONG = 300.0
 def _echo(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
     body = environ["wsgi.input"].read()
     out = json.dumps({"received": len(body)}).encode()
-    start_response("200 OK", [("Content-Type", "application/json"),
-                              ("Content-Length", str(len(out)))])
+    start_response(
+        "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(out)))]
+    )
     return [out]
 
 
@@ -48,14 +49,16 @@ class InProcessWorker:
     def __init__(self, http: ApiSettings) -> None:
         self.port = reserve_port()
         cfg = Config()
-        for name, value in gunicorn_settings(http, workers=1,
-                                             bind=f"127.0.0.1:{self.port}").items():
+        for name, value in gunicorn_settings(
+            http, workers=1, bind=f"127.0.0.1:{self.port}"
+        ).items():
             if name not in ("on_starting", "child_exit", "worker_exit", "on_exit"):
                 cfg.set(name, value)  # the arbiter's hooks: no arbiter here
         cfg.set("graceful_timeout", 1)
         listener = socket.create_server(("127.0.0.1", self.port))
-        self.worker = cfg.worker_class(1, os.getppid(), [listener], None, 30, cfg,
-                                       cfg.logger_class(cfg))
+        self.worker = cfg.worker_class(
+            1, os.getppid(), [listener], None, 30, cfg, cfg.logger_class(cfg)
+        )
         self.worker.wsgi = _echo
         self.worker.tpool = self.worker.get_thread_pool()
         self.worker.poller = selectors.DefaultSelector()
@@ -90,8 +93,10 @@ def make_worker() -> Iterator[Callable[..., InProcessWorker]]:
 
 
 def _head(content_length: int) -> bytes:
-    return (f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {content_length}\r\nExpect: 100-continue\r\n\r\n").encode()
+    return (
+        f"POST {PATH} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {content_length}\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -134,24 +139,30 @@ def _message(response: bytes) -> str:
 
 
 def test_the_header_deadline_closes_a_stalled_header_long_before_the_read_deadline(
-        make_worker: Callable[..., InProcessWorker]) -> None:
+    make_worker: Callable[..., InProcessWorker],
+) -> None:
     """Issue 21, behaviour 2: ``readHeaderTimeout`` 1 s, ``readTimeout`` 5 min. A client
     stalled in its headers gets the 408 of the header deadline; a client that finished its
     headers earlier and stalls in its body is still open then (its deadline is the read
     timeout), and is served when its body completes."""
-    worker = make_worker(read_header_timeout=1.0, read_timeout=LONG, write_timeout=LONG,
-                         idle_timeout=LONG)
+    worker = make_worker(
+        read_header_timeout=1.0, read_timeout=LONG, write_timeout=LONG, idle_timeout=LONG
+    )
     body = b'{"server_ip": ["10.0.0.1"], "body": {"token_ids": [], "block_size": 16}}'
     in_body = worker.connect(_head(len(body)) + body[:10])
     _headers_were_read(in_body)
     in_headers = worker.connect(_head(len(body))[:40])  # the request line and a bit
 
-    got = wait_for(lambda: _answered(in_headers), timeout=30,
-                   what="the header deadline to answer the stalled headers")
+    got = wait_for(
+        lambda: _answered(in_headers),
+        timeout=30,
+        what="the header deadline to answer the stalled headers",
+    )
     assert got.startswith(b"HTTP/1.1 408 ")
     answer = got + _read_until_closed(in_headers)  # and then it is closed
     assert _message(answer) == (
-        "the request headers were not received within http.readHeaderTimeout")
+        "the request headers were not received within http.readHeaderTimeout"
+    )
     assert _answered(in_body) is None  # its header deadline did not apply after the headers
     in_body.sendall(body[10:])
     served = _recv_response(in_body)
@@ -160,14 +171,20 @@ def test_the_header_deadline_closes_a_stalled_header_long_before_the_read_deadli
 
 
 def test_over_the_buffer_budget_the_largest_unfinished_request_is_shed(
-        make_worker: Callable[..., InProcessWorker]) -> None:
+    make_worker: Callable[..., InProcessWorker],
+) -> None:
     """Issue 21, behaviour 3: unfinished bodies fill the worker's budget (16 maximum-size
     bodies) to just under it; a small request then pushes it over. One of the largest is
     answered 503 and closed; the small one and a medium one are left alone and are served
     when their bodies complete."""
     cap = 8192
-    worker = make_worker(max_hit_rate_body_bytes=cap, read_header_timeout=LONG,
-                         read_timeout=LONG, write_timeout=LONG, idle_timeout=LONG)
+    worker = make_worker(
+        max_hit_rate_body_bytes=cap,
+        read_header_timeout=LONG,
+        read_timeout=LONG,
+        write_timeout=LONG,
+        idle_timeout=LONG,
+    )
     budget = BUDGET_BODIES * cap
     large_sent = len(_head(cap)) + cap - 1  # one byte short of complete
     n_large = 15
@@ -226,8 +243,11 @@ def _recv_response(sock: socket.socket) -> bytes:
         assert chunk, f"closed after {data!r}"
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     while len(rest) < length:
         rest += sock.recv(65536)
     return head + b"\r\n\r\n" + rest

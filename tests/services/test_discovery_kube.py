@@ -48,11 +48,17 @@ def start(tmp_path: Path, redis_server: RedisServer, kube: FakeKube) -> Iterator
     """Start a discovery loop against ``kube`` (or ``server``) and the session redis."""
     running: list[RunningDiscovery] = []
 
-    def _start(extra: dict[str, Any] | None = None, server: FakeKube | None = None,
-               redis_url: str | None = None) -> RunningDiscovery:
+    def _start(
+        extra: dict[str, Any] | None = None,
+        server: FakeKube | None = None,
+        redis_url: str | None = None,
+    ) -> RunningDiscovery:
         kc = (server or kube).write_kubeconfig(tmp_path / "kubeconfig")
-        cfg = write_config(tmp_path / f"config{len(running)}.yaml", redis_url or redis_server.url,
-                           merge({"discovery": {"kubeconfig": str(kc)}}, extra or {}))
+        cfg = write_config(
+            tmp_path / f"config{len(running)}.yaml",
+            redis_url or redis_server.url,
+            merge({"discovery": {"kubeconfig": str(kc)}}, extra or {}),
+        )
         running.append(RunningDiscovery.from_file(cfg).start())
         return running[-1]
 
@@ -88,8 +94,9 @@ def test_add_label_change_readiness_and_delete(kube: FakeKube, start: Start, sto
     assert inst.zmq_endpoint == "tcp://10.0.0.1:6000"
     assert store.get_instance("10.0.0.2").zmq_endpoint == "tcp://10.0.0.2:5557"  # type: ignore[union-attr]
 
-    kube.modify_pod("b", lambda p: p["metadata"]["labels"].update(
-        {"openfuyao.com/pdRole": "decode"}))
+    kube.modify_pod(
+        "b", lambda p: p["metadata"]["labels"].update({"openfuyao.com/pdRole": "decode"})
+    )
     wait_for(lambda: ips(store) == {"10.0.0.1"}, what="b to leave on a label change")
     fill(store, "10.0.0.1")
     kube.modify_pod("a", set_ready(False))
@@ -117,8 +124,10 @@ def test_ip_change_and_container_restart(kube: FakeKube, start: Start, store: St
         status["state"] = {"running": {"startedAt": "2024-01-01T01:00:00Z"}}
 
     kube.modify_pod("a", restart)
-    wait_for(lambda: store.get_instance("10.0.0.1").gen > gen,  # type: ignore[union-attr]
-             what="restart to bump the generation")
+    wait_for(
+        lambda: store.get_instance("10.0.0.1").gen > gen,  # type: ignore[union-attr]
+        what="restart to bump the generation",
+    )
     assert store.tier_members("10.0.0.1") == set(), "L1 of the old process must be gone"
     assert store.l3_members("10.0.0.1") == {21, 22}, "Mooncake still holds the L3 blocks"
     wait_for(lambda: d.count("changes", action="restarted") == 1, what="the restart counted")
@@ -137,15 +146,18 @@ def test_ip_reused_by_a_new_pod_starts_empty(kube: FakeKube, start: Start, store
     new["metadata"]["creationTimestamp"] = "2024-06-01T00:00:00Z"
     new_uid = kube.add_pod(new)["metadata"]["uid"]
     kube.delete_pod("old")
-    wait_for(lambda: store.get_instance("10.0.0.1").uid == new_uid,  # type: ignore[union-attr]
-             what="the new pod to own the IP")
+    wait_for(
+        lambda: store.get_instance("10.0.0.1").uid == new_uid,  # type: ignore[union-attr]
+        what="the new pod to own the IP",
+    )
     assert store.tier_members("10.0.0.1") == set() and store.l3_members("10.0.0.1") == set()
     wait_for(lambda: d.count("changes", action="replaced") == 1, what="the replacement counted")
     assert store.get_instance("10.0.0.1").pod == "new"  # type: ignore[union-attr]
 
 
 def test_broken_watch_resumes_from_last_resource_version(
-        kube: FakeKube, start: Start, store: Store) -> None:
+    kube: FakeKube, start: Start, store: Store
+) -> None:
     kube.add_pod(vllm_pod("a", "10.0.0.1"))
     d = start()
     wait_for(lambda: ips(store) == {"10.0.0.1"}, what="a")
@@ -176,12 +188,15 @@ def test_410_gone_relists(kube: FakeKube, start: Start, store: Store, how: str) 
 
 
 def test_api_server_down_at_start_keeps_registry_then_reconciles(
-        start: Start, store: Store) -> None:
+    start: Start, store: Store
+) -> None:
     store.upsert_instance(Instance(ip="10.9.9.9", uid="from-before", pod="old"))
     down = FakeKube()  # not started: connection refused
     d = start(server=down)
-    wait_for(lambda: d.count("errors", kind="unreachable") >= 4
-             and d.count("lease_held") == 1, what="retries while holding the lease")
+    wait_for(
+        lambda: d.count("errors", kind="unreachable") >= 4 and d.count("lease_held") == 1,
+        what="retries while holding the lease",
+    )
     assert ips(store) == {"10.9.9.9"}, "a failed list must not remove anything"
     down.add_pod(vllm_pod("a", "10.0.0.1"))
     down.start()
@@ -192,8 +207,9 @@ def test_api_server_down_at_start_keeps_registry_then_reconciles(
 
 
 @pytest.mark.parametrize("status,kind", [(403, "forbidden"), (500, "api_error")])
-def test_failing_api_keeps_last_good_registry(kube: FakeKube, start: Start, store: Store,
-                                              status: int, kind: str) -> None:
+def test_failing_api_keeps_last_good_registry(
+    kube: FakeKube, start: Start, store: Store, status: int, kind: str
+) -> None:
     kube.add_pod(vllm_pod("a", "10.0.0.1"))
     d = start()
     wait_for(lambda: ips(store) == {"10.0.0.1"}, what="a")
@@ -223,10 +239,14 @@ def test_mooncake_masters(kube: FakeKube, start: Start, store: Store) -> None:
     kube.add_pod(make_pod("mc-1", "10.0.1.2", MASTER))
     kube.add_pod(vllm_pod("a", "10.0.0.1"))
     start({"ingest": {"l3": {"scheme": "https"}}})
-    want = {"https://10.0.1.1:9100": {"pod": "mc-0", "ip": "10.0.1.1", "rpc": 50051},
-            "https://10.0.1.2:9003": {"pod": "mc-1", "ip": "10.0.1.2", "rpc": 0}}
-    wait_for(lambda: {u: json.loads(v) for u, v in store.list_masters().items()} == want,
-             what="both masters")
+    want = {
+        "https://10.0.1.1:9100": {"pod": "mc-0", "ip": "10.0.1.1", "rpc": 50051},
+        "https://10.0.1.2:9003": {"pod": "mc-1", "ip": "10.0.1.2", "rpc": 0},
+    }
+    wait_for(
+        lambda: {u: json.loads(v) for u, v in store.list_masters().items()} == want,
+        what="both masters",
+    )
     assert ips(store) == {"10.0.0.1"}
     kube.modify_pod("mc-0", set_ready(False))
     wait_for(lambda: list(store.list_masters()) == ["https://10.0.1.2:9003"], what="mc-0 gone")
@@ -235,21 +255,33 @@ def test_mooncake_masters(kube: FakeKube, start: Start, store: Store) -> None:
 
 
 PROFILES = {
-    "infernex": ({"engineKey": "infernex.io/pdEngineGroup", "engineValue": "prod.llama",
-                  "pdRoleKey": "infernex.io/pdRole", "pdRoleValue": ["prefill"]},
-                 {"infernex.io/pdEngineGroup": "prod.llama", "infernex.io/pdRole": "prefill"},
-                 "infernex.io/pdRole"),
-    "kserve": ({"engineKey": "app.kubernetes.io/name", "engineValue": "llama",
-                "pdRoleKey": "app.kubernetes.io/component",
-                "pdRoleValue": ["predictor", "prefill"]},
-               {"app.kubernetes.io/name": "llama", "app.kubernetes.io/component": "predictor"},
-               "app.kubernetes.io/component"),
+    "infernex": (
+        {
+            "engineKey": "infernex.io/pdEngineGroup",
+            "engineValue": "prod.llama",
+            "pdRoleKey": "infernex.io/pdRole",
+            "pdRoleValue": ["prefill"],
+        },
+        {"infernex.io/pdEngineGroup": "prod.llama", "infernex.io/pdRole": "prefill"},
+        "infernex.io/pdRole",
+    ),
+    "kserve": (
+        {
+            "engineKey": "app.kubernetes.io/name",
+            "engineValue": "llama",
+            "pdRoleKey": "app.kubernetes.io/component",
+            "pdRoleValue": ["predictor", "prefill"],
+        },
+        {"app.kubernetes.io/name": "llama", "app.kubernetes.io/component": "predictor"},
+        "app.kubernetes.io/component",
+    ),
 }
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
-def test_label_profiles_by_config_alone(kube: FakeKube, start: Start, store: Store,
-                                        profile: str) -> None:
+def test_label_profiles_by_config_alone(
+    kube: FakeKube, start: Start, store: Store, profile: str
+) -> None:
     labels, match, role_key = PROFILES[profile]
     kube.add_pod(make_pod("yes", "10.0.0.1", match))
     kube.add_pod(make_pod("other-role", "10.0.0.2", {**match, role_key: "decode"}))
@@ -260,12 +292,15 @@ def test_label_profiles_by_config_alone(kube: FakeKube, start: Start, store: Sto
     assert served, "the role filter is a server-side `key in (...)` selector"
 
 
-def test_two_loops_one_writer_and_takeover(kube: FakeKube, start: Start, store: Store,
-                                           redis_client: redis.Redis) -> None:
+def test_two_loops_one_writer_and_takeover(
+    kube: FakeKube, start: Start, store: Store, redis_client: redis.Redis
+) -> None:
     kube.add_pod(vllm_pod("a", "10.0.0.1"))
     first = start()
-    wait_for(lambda: ips(store) == {"10.0.0.1"} and first.count("lease_held") == 1,
-             what="the first loop to write")
+    wait_for(
+        lambda: ips(store) == {"10.0.0.1"} and first.count("lease_held") == 1,
+        what="the first loop to write",
+    )
     second = start()
     wait_for(lambda: second.count("relists", source="vllm") >= 1, what="the standby to list")
     kube.add_pod(vllm_pod("b", "10.0.0.2"))
@@ -275,8 +310,10 @@ def test_two_loops_one_writer_and_takeover(kube: FakeKube, start: Start, store: 
     assert second.count("lease_held") == 0 and second.writes() == 0
 
     first.close()  # releases the lease
-    wait_for(lambda: redis_client.get(keys.lease("discovery")) == second.holder.encode(),
-             what="the standby to take over")
+    wait_for(
+        lambda: redis_client.get(keys.lease("discovery")) == second.holder.encode(),
+        what="the standby to take over",
+    )
     kube.delete_pod("a")
     wait_for(lambda: ips(store) == {"10.0.0.2"}, what="the new holder's write")
     wait_for(lambda: second.writes() >= 1, what="the write counted")
@@ -294,8 +331,10 @@ def test_redis_outage_is_retried(kube: FakeKube, start: Start, tmp_path: Path) -
         wait_for(lambda: d.count("errors", kind="redis") >= 2, what="redis errors")
         own = RedisServer(own.port).start()  # empty again: discovery must rebuild it all
         client = redis.Redis.from_url(own.url)
-        wait_for(lambda: Store(client).instance_ips() == {"10.0.0.1", "10.0.0.2"},
-                 what="the registry rebuilt after the outage")
+        wait_for(
+            lambda: Store(client).instance_ips() == {"10.0.0.1", "10.0.0.2"},
+            what="the registry rebuilt after the outage",
+        )
         assert d.count("lease_held") == 1
     finally:
         own.cleanup()
@@ -304,15 +343,33 @@ def test_redis_outage_is_retried(kube: FakeKube, start: Start, tmp_path: Path) -
 def _self_signed(tmp_path: Path) -> tuple[str, str]:
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True)
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert), str(key)
 
 
-def test_in_cluster_config_https_token_and_namespace(tmp_path: Path, redis_server: RedisServer,
-                                                     store: Store) -> None:
+def test_in_cluster_config_https_token_and_namespace(
+    tmp_path: Path, redis_server: RedisServer, store: Store
+) -> None:
     require(shutil.which("openssl"), "needs the openssl CLI (apt-get install openssl)")
     cert, key = _self_signed(tmp_path)
     server = FakeKube(token="sa-token", tls=(cert, key)).start()

@@ -21,15 +21,24 @@ def _inst(ip: str, uid: str = "u1", **kw: object) -> Instance:
 
 
 def test_diff_writes_only_what_differs_and_unknown_parts_are_left_alone(
-        redis_client: redis.Redis) -> None:
+    redis_client: redis.Redis,
+) -> None:
     rec = _reconciler(redis_client, "a")
     store = rec.store
-    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
-                     {"http://10.0.1.1:9003": "{}"}))
+    rec.sync(
+        Desired(
+            {"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
+            {"http://10.0.1.1:9003": "{}"},
+        )
+    )
     assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"}
     assert rec.metrics.changes.value(action="added") == 2
-    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
-                     {"http://10.0.1.1:9003": "{}"}))
+    rec.sync(
+        Desired(
+            {"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
+            {"http://10.0.1.1:9003": "{}"},
+        )
+    )
     assert rec.metrics.changes.value(action="masters") == 1, "an equal master set is not rewritten"
     assert rec.metrics.changes.value(action="added") == 2
 

@@ -26,11 +26,15 @@ class StaticFile:
     def __init__(self, path: Path, redis_url: str) -> None:
         self.path, self.redis_url = path, redis_url
 
-    def write(self, vllm: list[dict[str, Any]],
-              masters: list[dict[str, Any]] | None = None) -> None:
+    def write(
+        self, vllm: list[dict[str, Any]], masters: list[dict[str, Any]] | None = None
+    ) -> None:
         static = {"vllm": vllm, "mooncakeMasters": masters or []}
-        tmp = write_config(self.path.with_suffix(".tmp"), self.redis_url,
-                           {"discovery": {"mode": "static", "static": static}})
+        tmp = write_config(
+            self.path.with_suffix(".tmp"),
+            self.redis_url,
+            {"discovery": {"mode": "static", "static": static}},
+        )
         tmp.replace(self.path)  # atomically, as a ConfigMap update or an editor does
 
     def write_text(self, text: str) -> None:
@@ -54,24 +58,36 @@ def running() -> Iterator[list[RunningDiscovery]]:
 def _start(static_file: StaticFile, running: list[RunningDiscovery]) -> RunningDiscovery:
     cfg = load_config(static_file.path, env={})
     settings = DiscoverySettings.from_config(cfg)
-    d = RunningDiscovery(cfg, static_file.path,
-                         lambda m: StaticSource(str(static_file.path), settings, m,
-                                                poll_interval=0.05))
+    d = RunningDiscovery(
+        cfg,
+        static_file.path,
+        lambda m: StaticSource(str(static_file.path), settings, m, poll_interval=0.05),
+    )
     running.append(d.start())
     return d
 
 
-def test_static_entries_reload_add_change_remove(static_file: StaticFile,
-                                                 running: list[RunningDiscovery],
-                                                 redis_client: redis.Redis) -> None:
+def test_static_entries_reload_add_change_remove(
+    static_file: StaticFile, running: list[RunningDiscovery], redis_client: redis.Redis
+) -> None:
     store = Store(redis_client)
-    static_file.write([_entry("127.0.0.1", name="a", role="prefill"), _entry("127.0.0.2")],
-                      [{"url": "http://127.0.0.1:9003", "name": "mc"}])
+    static_file.write(
+        [_entry("127.0.0.1", name="a", role="prefill"), _entry("127.0.0.2")],
+        [{"url": "http://127.0.0.1:9003", "name": "mc"}],
+    )
     d = _start(static_file, running)
-    wait_for(lambda: store.instance_ips() == {"127.0.0.1", "127.0.0.2"}
-             and len(store.list_masters()) == 1, what="both entries and the master")
+    wait_for(
+        lambda: (
+            store.instance_ips() == {"127.0.0.1", "127.0.0.2"} and len(store.list_masters()) == 1
+        ),
+        what="both entries and the master",
+    )
     a = store.get_instance("127.0.0.1")
-    assert a is not None and (a.pod, a.role, a.zmq_endpoint) == ("a", "prefill", "tcp://127.0.0.1:5557")
+    assert a is not None and (a.pod, a.role, a.zmq_endpoint) == (
+        "a",
+        "prefill",
+        "tcp://127.0.0.1:5557",
+    )
     assert json.loads(store.list_masters()["http://127.0.0.1:9003"])["pod"] == "mc"
     gen_b = store.get_instance("127.0.0.2").gen  # type: ignore[union-attr]
     ops = TierOps()
@@ -79,31 +95,45 @@ def test_static_entries_reload_add_change_remove(static_file: StaticFile,
     assert store.apply_batch("127.0.0.2", gen_b, 0, 1, ops).status == "applied"
 
     # b's endpoint changes (a new instance: data dropped), a is renamed, c is added.
-    static_file.write([_entry("127.0.0.1", name="a2", role="prefill"),
-                       _entry("127.0.0.2", port=6000, dataParallelSize=2),
-                       _entry("127.0.0.3", replayEndpoint="tcp://127.0.0.3:5558")],
-                      [{"url": "http://127.0.0.9:9003"}])
+    static_file.write(
+        [
+            _entry("127.0.0.1", name="a2", role="prefill"),
+            _entry("127.0.0.2", port=6000, dataParallelSize=2),
+            _entry("127.0.0.3", replayEndpoint="tcp://127.0.0.3:5558"),
+        ],
+        [{"url": "http://127.0.0.9:9003"}],
+    )
     wait_for(lambda: store.instance_ips() == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, what="c")
-    wait_for(lambda: store.get_instance("127.0.0.2").dp_size == 2  # type: ignore[union-attr]
-             and list(store.list_masters()) == ["http://127.0.0.9:9003"],
-             what="b's new entry and the new master")
+    wait_for(
+        lambda: (
+            store.get_instance("127.0.0.2").dp_size == 2  # type: ignore[union-attr]
+            and list(store.list_masters()) == ["http://127.0.0.9:9003"]
+        ),
+        what="b's new entry and the new master",
+    )
     b = store.get_instance("127.0.0.2")
     assert b is not None and b.zmq_endpoint == "tcp://127.0.0.2:6000" and b.gen > gen_b
     assert store.tier_members("127.0.0.2") == set()
     a2 = store.get_instance("127.0.0.1")
     assert a2 is not None and (a2.pod, a2.uid, a2.gen) == ("a2", a.uid, a.gen)
     assert store.get_instance("127.0.0.3").replay_endpoint == "tcp://127.0.0.3:5558"  # type: ignore[union-attr]
-    wait_for(lambda: d.count("changes", action="replaced") == 1
-             and d.count("changes", action="updated") == 1, what="the counters")
+    wait_for(
+        lambda: (
+            d.count("changes", action="replaced") == 1 and d.count("changes", action="updated") == 1
+        ),
+        what="the counters",
+    )
 
     static_file.write([_entry("127.0.0.3", replayEndpoint="tcp://127.0.0.3:5558")])
-    wait_for(lambda: store.instance_ips() == {"127.0.0.3"} and store.list_masters() == {},
-             what="a, b and the master removed")
+    wait_for(
+        lambda: store.instance_ips() == {"127.0.0.3"} and store.list_masters() == {},
+        what="a, b and the master removed",
+    )
 
 
-def test_invalid_file_keeps_the_last_good_lists(static_file: StaticFile,
-                                                running: list[RunningDiscovery],
-                                                redis_client: redis.Redis) -> None:
+def test_invalid_file_keeps_the_last_good_lists(
+    static_file: StaticFile, running: list[RunningDiscovery], redis_client: redis.Redis
+) -> None:
     store = Store(redis_client)
     static_file.write([_entry("127.0.0.1")])
     d = _start(static_file, running)

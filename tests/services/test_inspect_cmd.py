@@ -24,8 +24,9 @@ def _config(tmp_path: Path, url: str) -> str:
     return str(path)
 
 
-def test_json_is_the_api_document(redis_server: RedisServer, redis_client: redis.Redis,
-                                  tmp_path: Path) -> None:
+def test_json_is_the_api_document(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
     populate(Store(redis_client))
     out = io.StringIO()
     assert inspect_cmd.main(["--config", _config(tmp_path, redis_server.url), "--json"], out) == 0
@@ -36,7 +37,8 @@ def test_json_is_the_api_document(redis_server: RedisServer, redis_client: redis
 
 
 def test_table_has_one_line_per_instance_and_master(
-        redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
     populate(Store(redis_client))
     out = io.StringIO()
     assert inspect_cmd.main(["--config", _config(tmp_path, redis_server.url)], out) == 0
@@ -52,15 +54,28 @@ def test_table_has_one_line_per_instance_and_master(
 
 
 def test_problems_are_coloured_on_a_terminal(
-        redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
     populate(Store(redis_client))
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "inspect", "--config",
-         _config(tmp_path, redis_server.url)],
-        cwd=ROOT, env=env, stdout=slave, stderr=subprocess.PIPE, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "inspect",
+            "--config",
+            _config(tmp_path, redis_server.url),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        timeout=60,
+        check=False,
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -88,15 +103,34 @@ def test_unreachable_redis_exits_1_and_bad_config_2(tmp_path: Path) -> None:
 
 
 def test_a_hybrid_shows_its_groups_and_exactness() -> None:
-    inst = {"server_ip": "10.0.0.9", "pod": "g", "l1": {
-        "state": "synced", "state_detail": "", "blocks": 3, "hash_check": "unchecked",
-        "hash_check_ok": 0, "hash_check_mismatch": 0, "hash_check_detail": "",
-        "last_event_age_s": 1.0, "gaps": 0, "ingester": "i"},
+    inst = {
+        "server_ip": "10.0.0.9",
+        "pod": "g",
+        "l1": {
+            "state": "synced",
+            "state_detail": "",
+            "blocks": 3,
+            "hash_check": "unchecked",
+            "hash_check_ok": 0,
+            "hash_check_mismatch": 0,
+            "hash_check_detail": "",
+            "last_event_age_s": 1.0,
+            "gaps": 0,
+            "ingester": "i",
+        },
         "l3": {"blocks": None, "age_s": None, "stale": False, "master": None},
-        "groups": {"hybrid": True, "hash_unit": 32, "exact": False,
-                   "inexact_reasons": ["unconfirmed_hash_unit"],
-                   "kv_cache_groups": [{"kind": "sliding_window"}, {"kind": "mamba"},
-                                       {"kind": "full_attention"}]}}
+        "groups": {
+            "hybrid": True,
+            "hash_unit": 32,
+            "exact": False,
+            "inexact_reasons": ["unconfirmed_hash_unit"],
+            "kv_cache_groups": [
+                {"kind": "sliding_window"},
+                {"kind": "mamba"},
+                {"kind": "full_attention"},
+            ],
+        },
+    }
     text = inspect_cmd.render_table({"instances": [inst], "masters": []})
     assert "KV_GROUPS" in text.splitlines()[0]
     assert "SWA+MAMBA+FA h32 lower bound: unconfirmed_hash_unit" in text

@@ -29,8 +29,16 @@ def _payload(first: int) -> bytes:
 
 
 def _stream(store: Store, inst: Instance, metrics: IngestMetrics, owner: str = "") -> RankStream:
-    return RankStream(inst, 0, store, zmq.Context.instance(), owner=owner, gap_policy="keep",
-                      replay_timeout=1.0, metrics=metrics)
+    return RankStream(
+        inst,
+        0,
+        store,
+        zmq.Context.instance(),
+        owner=owner,
+        gap_policy="keep",
+        replay_timeout=1.0,
+        metrics=metrics,
+    )
 
 
 def test_a_write_for_a_stale_generation_raises_fenced(any_store: Store) -> None:
@@ -51,8 +59,7 @@ def test_a_write_for_a_stale_generation_raises_fenced(any_store: Store) -> None:
 def test_a_write_without_the_lease_raises_fenced(any_store: Store) -> None:
     _, gen = any_store.upsert_instance(Instance(ip=IP, uid="pod"))
     assert any_store.claim_instance(IP, "other-ingester", 60_000)
-    stream = _stream(any_store, Instance(ip=IP, uid="pod", gen=gen), IngestMetrics(),
-                     owner="me")
+    stream = _stream(any_store, Instance(ip=IP, uid="pod", gen=gen), IngestMetrics(), owner="me")
     with pytest.raises(FencedError) as caught:
         stream.on_live(0, _payload(1))
     assert caught.value.status is BatchStatus.NOT_OWNER
@@ -60,7 +67,8 @@ def test_a_write_without_the_lease_raises_fenced(any_store: Store) -> None:
 
 
 def test_the_subscriber_drops_a_fenced_instance_and_resubscribes(
-        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
     """The lease is taken away mid-stream: the refused write ends the session (logged as a
     refused write, not as a loop error), and once the lease is back the stream resumes."""
     store, port, seq = Store(redis_client), reserve_port(), itertools.count()
@@ -85,8 +93,10 @@ def test_the_subscriber_drops_a_fenced_instance_and_resubscribes(
         caplog.set_level(logging.WARNING)
         store.release_instance(IP, "me")
         assert store.claim_instance(IP, "other", 60_000)
-        wait_for(lambda: publish() is None or "writes refused (not_owner)" in caplog.text,
-                 what="the refused write to end the session")
+        wait_for(
+            lambda: publish() is None or "writes refused (not_owner)" in caplog.text,
+            what="the refused write to end the session",
+        )
         assert "subscriber loop error" not in caplog.text
         stopped_at = store.last_seq(IP, 0)
         store.release_instance(IP, "other")

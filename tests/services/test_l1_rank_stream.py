@@ -51,27 +51,44 @@ class Rig:
 
     def register(self, *, replay: bool = True, dp: int = 1, uid: str = "pod-a") -> Instance:
         endpoint = f"tcp://127.0.0.1:{self.base_port}" if replay else ""
-        _, gen = self.store.upsert_instance(Instance(
-            IP, uid, replay_endpoint=endpoint, dp_size=dp))
+        _, gen = self.store.upsert_instance(Instance(IP, uid, replay_endpoint=endpoint, dp_size=dp))
         self.inst = self.store.get_instance(IP)
         assert self.inst is not None and self.inst.gen == gen
         return self.inst
 
-    def publisher(self, rank: int = 0, *, buffer_steps: int = 10_000,
-                  framing: str = "0.26") -> FakePublisher:
-        pub = FakePublisher(self.ctx, self.base_port + rank, rank=rank,
-                            buffer_steps=buffer_steps, framing=framing)
+    def publisher(
+        self, rank: int = 0, *, buffer_steps: int = 10_000, framing: str = "0.26"
+    ) -> FakePublisher:
+        pub = FakePublisher(
+            self.ctx, self.base_port + rank, rank=rank, buffer_steps=buffer_steps, framing=framing
+        )
         self.pubs.append(pub)
         return pub
 
-    def stream(self, rank: int = 0, *, gap_policy: GapPolicy = "keep", owner: str = "",
-               replay_timeout: float = LONG, last_digest: tuple[int, bytes] | None = None,
-               status: InstanceStatus | None = None) -> RankStream:
+    def stream(
+        self,
+        rank: int = 0,
+        *,
+        gap_policy: GapPolicy = "keep",
+        owner: str = "",
+        replay_timeout: float = LONG,
+        last_digest: tuple[int, bytes] | None = None,
+        status: InstanceStatus | None = None,
+    ) -> RankStream:
         assert self.inst is not None
-        stream = RankStream(self.inst, rank, self.store, self.ctx, owner=owner,
-                            gap_policy=gap_policy, replay_timeout=replay_timeout,
-                            metrics=self.metrics, last_digest=last_digest, status=status,
-                            groups=GroupSettings(dp_size=max(1, self.inst.dp_size)))
+        stream = RankStream(
+            self.inst,
+            rank,
+            self.store,
+            self.ctx,
+            owner=owner,
+            gap_policy=gap_policy,
+            replay_timeout=replay_timeout,
+            metrics=self.metrics,
+            last_digest=last_digest,
+            status=status,
+            groups=GroupSettings(dp_size=max(1, self.inst.dp_size)),
+        )
         self.streams.append(stream)
         return stream
 
@@ -94,8 +111,9 @@ def rig(redis_client: redis.Redis) -> Iterator[Rig]:
     ctx.term()
 
 
-def drive(stream: RankStream, pub: FakePublisher | None, *, serve: bool = True,
-          timeout: float = 15.0) -> None:
+def drive(
+    stream: RankStream, pub: FakePublisher | None, *, serve: bool = True, timeout: float = 15.0
+) -> None:
     """Run the stream's replays (and the ones they lead to) to their end, as the subscriber
     does: serve the ROUTER, read the DEALER, finish at the end marker or the deadline."""
     deadline = time.monotonic() + timeout
@@ -222,10 +240,12 @@ def test_a_gap_is_replayed_from_the_applied_seq_and_recovered(rig: Rig, framing:
     assert rig.metrics.restarts.value() == 0 and rig.gap_fields() == {}
 
 
-@pytest.mark.parametrize(("policy", "replay"), [("keep", True), ("clear", True),
-                                                ("keep", False), ("clear", False)])
+@pytest.mark.parametrize(
+    ("policy", "replay"), [("keep", True), ("clear", True), ("keep", False), ("clear", False)]
+)
 def test_a_gap_replay_cannot_fill_follows_the_policy(
-        rig: Rig, policy: GapPolicy, replay: bool) -> None:
+    rig: Rig, policy: GapPolicy, replay: bool
+) -> None:
     """Replay trimmed past what is missing (or no replay endpoint): ``keep`` writes on and
     counts the gap in the state hash, ``clear`` resets the rank first."""
     rig.register(replay=replay)
@@ -265,7 +285,8 @@ def test_a_replay_that_times_out_writes_the_held_batch_as_a_gap(rig: Rig) -> Non
 
 
 def test_a_restart_seen_first_on_the_live_stream_replays_the_new_lifetime_from_zero(
-        rig: Rig) -> None:
+    rig: Rig,
+) -> None:
     """Issue 21, behaviour 7: a live seq that goes back to k > 0 (replay available) resets
     the rank and replays the new lifetime from 0: batches 0..k-1 are applied, no gap."""
     rig.register()
@@ -346,7 +367,8 @@ def test_a_restart_while_away_shows_as_an_empty_catch_up(rig: Rig, with_digest: 
 
 @pytest.mark.parametrize("session", ["same", "next-with-digest", "next-without-digest"])
 def test_a_reconnect_to_a_publisher_with_nothing_new_is_not_a_restart(
-        rig: Rig, session: str) -> None:
+    rig: Rig, session: str
+) -> None:
     """Issue 21, behaviour 8: the catch-up replay asks from the applied seq itself, so the
     publisher that has nothing new answers with that one batch, not an empty reply."""
     rig.register()
@@ -427,8 +449,9 @@ def test_an_unrecoverable_gap_on_any_rank_makes_the_instance_gap(rig: Rig, rank:
     """Issue 21, behaviour 6: a gap kept on DP rank >= 1 makes ``l1.state`` ``gap``, as one
     on rank 0 does (the other rank is healthy)."""
     inst = rig.register(dp=2)
-    board = StatusBoard(rig.store, L1IngestSettings(hash_check_rate=0), rig.metrics,
-                        owner="", ingester="ing-1")
+    board = StatusBoard(
+        rig.store, L1IngestSettings(hash_check_rate=0), rig.metrics, owner="", ingester="ing-1"
+    )
     pubs = [rig.publisher(r, buffer_steps=2) for r in range(2)]
     streams = [rig.stream(r, status=board.of(inst)) for r in range(2)]
     assert streams[1].replay_endpoint == pubs[1].replay_endpoint  # port + rank
@@ -455,24 +478,38 @@ def test_an_unrecoverable_gap_on_any_rank_makes_the_instance_gap(rig: Rig, rank:
 
 
 def test_the_subscriber_follows_a_publisher_through_a_restart_on_the_live_stream(
-        redis_client: redis.Redis) -> None:
+    redis_client: redis.Redis,
+) -> None:
     """PUB + ROUTER, the subscriber's own poll loop (run from this thread): catch-up at
     connect, live batches, then a restart seen on the live stream at k > 0."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     store, port = Store(redis_client), reserve_ports(2)
     pub = FakePublisher(ctx, port + 1, pub_port=port)
-    store.upsert_instance(Instance(IP, "pod-a", zmq_endpoint=f"tcp://127.0.0.1:{port}",
-                                   replay_endpoint=pub.replay_endpoint))
+    store.upsert_instance(
+        Instance(
+            IP, "pod-a", zmq_endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=pub.replay_endpoint
+        )
+    )
     metrics = IngestMetrics()
-    sub = Subscriber(store, L1IngestSettings(topic="kv", backoff_initial=0.05, backoff_max=0.2,
-                                             replay_timeout=LONG, hash_check_rate=0),
-                     metrics, ctx=ctx)
+    sub = Subscriber(
+        store,
+        L1IngestSettings(
+            topic="kv",
+            backoff_initial=0.05,
+            backoff_max=0.2,
+            replay_timeout=LONG,
+            hash_check_rate=0,
+        ),
+        metrics,
+        ctx=ctx,
+    )
 
     def until(cond: Callable[[], bool], what: str) -> None:
         def step() -> bool:
             sub.run_once(timeout_ms=20)
             pub.serve()
             return cond()
+
         wait_for(step, timeout=20, interval=0, what=what)
 
     try:
@@ -486,6 +523,7 @@ def test_the_subscriber_follows_a_publisher_through_a_restart_on_the_live_stream
             if pub.next_seq <= seq:
                 pub.publish()
             return store.last_seq(IP, 0) == seq
+
         until(lambda: published_live(6), "live batches up to 6")
         pub.restart()
         for _ in range(2):

@@ -25,23 +25,31 @@ def akey(block: int, head: int, pp: int = 0, model: str = MODEL) -> str:
 
 def lw_old(block: int, head: int, layer: int) -> str:
     """v0.20.2rc1 layer-wise key: the layer id after the hash."""
-    return (f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@group:0@cache_role:kv"
-            f"@cache_family:default@{DIGESTS[block].hex()}@{layer}")
+    return (
+        f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@group:0@cache_role:kv"
+        f"@cache_family:default@{DIGESTS[block].hex()}@{layer}"
+    )
 
 
 def lw_new(block: int, head: int, layer: int) -> str:
     """v0.21+ layer-wise key: ``layer_id:`` before the hash."""
-    return (f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@group:0@cache_role:kv"
-            f"@cache_family:default@layer_id:{layer}@{DIGESTS[block].hex()}")
+    return (
+        f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@group:0@cache_role:kv"
+        f"@cache_family:default@layer_id:{layer}@{DIGESTS[block].hex()}"
+    )
 
 
-@pytest.mark.parametrize(("version", "seg_a", "seg_b"), [
-    ("0.3.13", f"{POD_A}:17001", f"{POD_B}:17002"),  # ascend_direct: {pod_ip}:{te_rpc_port}
-    ("0.3.13", f"{POD_A}:12345:npu_0", f"{POD_B}:12345:npu_1"),  # old HCCL transport names
-    ("0.3.10", f"{POD_A}:17001", f"{POD_B}:12345:npu_1"),  # no segments detail: by host
-])
-def test_tp2_normal_keys_per_segment_naming(harness_factory: Callable[..., Harness],
-                                            version: str, seg_a: str, seg_b: str) -> None:
+@pytest.mark.parametrize(
+    ("version", "seg_a", "seg_b"),
+    [
+        ("0.3.13", f"{POD_A}:17001", f"{POD_B}:17002"),  # ascend_direct: {pod_ip}:{te_rpc_port}
+        ("0.3.13", f"{POD_A}:12345:npu_0", f"{POD_B}:12345:npu_1"),  # old HCCL transport names
+        ("0.3.10", f"{POD_A}:17001", f"{POD_B}:12345:npu_1"),  # no segments detail: by host
+    ],
+)
+def test_tp2_normal_keys_per_segment_naming(
+    harness_factory: Callable[..., Harness], version: str, seg_a: str, seg_b: str
+) -> None:
     m = FakeMaster(version).start()
     try:
         ep_a, ep_b = m.mount(seg_a, seg_a), m.mount(seg_b, seg_b)
@@ -63,8 +71,11 @@ def test_tp2_normal_keys_per_segment_naming(harness_factory: Callable[..., Harne
 
 
 @pytest.mark.parametrize("make", [lw_old, lw_new], ids=["v0.20-layer-last", "v0.21-layer-id"])
-def test_layerwise_pool_scope(harness_factory: Callable[..., Harness], master: FakeMaster,
-                              make: Callable[[int, int, int], str]) -> None:
+def test_layerwise_pool_scope(
+    harness_factory: Callable[..., Harness],
+    master: FakeMaster,
+    make: Callable[[int, int, int], str],
+) -> None:
     ep_a = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
     ep_b = master.mount(f"{POD_B}:17002", f"{POD_B}:17002")
     for b in range(3):
@@ -81,22 +92,26 @@ def test_layerwise_pool_scope(harness_factory: Callable[..., Harness], master: F
     assert master.calls["/batch_query_keys"] == 0
 
 
-def test_key_formats_narrow_and_say_so(harness_factory: Callable[..., Harness],
-                                       master: FakeMaster) -> None:
+def test_key_formats_narrow_and_say_so(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     ep_a = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
     master.put(akey(0, 0), ep_a)
     h = harness_factory(key_formats=("vllm",))
     h.register(POD_A)
     h.start(master)
-    wait_for(lambda: h.metrics.keys_skipped.value(master=master.url, reason="format_disabled")
-             >= 1, what="the Ascend key skipped as disabled")
+    wait_for(
+        lambda: h.metrics.keys_skipped.value(master=master.url, reason="format_disabled") >= 1,
+        what="the Ascend key skipped as disabled",
+    )
     assert h.members(POD_A) == set()
     wait_for(lambda: h.store.get_master_state(master.url).get("keys") == "1", what="state")
     assert h.store.get_master_state(master.url)["keys_unparsed"] == "0"
 
 
-def test_master_state_hash(harness_factory: Callable[..., Harness], master: FakeMaster,
-                           caplog: pytest.LogCaptureFixture) -> None:
+def test_master_state_hash(
+    harness_factory: Callable[..., Harness], master: FakeMaster, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="services.l3_poller")
     ep_a = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
     for b in range(3):
@@ -107,24 +122,43 @@ def test_master_state_hash(harness_factory: Callable[..., Harness], master: Fake
     h.register(POD_A)
     h.start(master)
     h.wait_members(POD_A, set(INTS[:3]))
-    state = wait_for(lambda: s if (s := h.store.get_master_state(master.url)).get("keys") == "4"
-                     else None, what="the master's status")
-    assert set(state) == {"keys", "keys_unparsed", "sample_unparsed", "keys_unmappable_group",
-                          "blocks", "updated_ms", "stale", "error"}
-    assert (state["keys_unparsed"], state["keys_unmappable_group"], state["blocks"],
-            state["stale"], state["error"]) == ("1", "0", "3", "0", "")
+    state = wait_for(
+        lambda: s if (s := h.store.get_master_state(master.url)).get("keys") == "4" else None,
+        what="the master's status",
+    )
+    assert set(state) == {
+        "keys",
+        "keys_unparsed",
+        "sample_unparsed",
+        "keys_unmappable_group",
+        "blocks",
+        "updated_ms",
+        "stale",
+        "error",
+    }
+    assert (
+        state["keys_unparsed"],
+        state["keys_unmappable_group"],
+        state["blocks"],
+        state["stale"],
+        state["error"],
+    ) == ("1", "0", "3", "0", "")
     assert state["sample_unparsed"] == junk[:200]
     assert int(state["updated_ms"]) > 1_600_000_000_000
     assert h.metrics.keys_unparsed.value(master=master.url) == 1
     warned = [r for r in caplog.records if "no known key family" in r.getMessage()]
     assert len(warned) == 1 and "lmcache@Qwen" in warned[0].getMessage()
     master.remove(junk)
-    wait_for(lambda: h.store.get_master_state(master.url)["keys_unparsed"] == "0",
-             what="unparsed back to 0")
+    wait_for(
+        lambda: h.store.get_master_state(master.url)["keys_unparsed"] == "0",
+        what="unparsed back to 0",
+    )
     assert h.store.get_master_state(master.url)["sample_unparsed"] == ""
     master.fault = "503"  # failing: error shown, last good counts kept, then stale
-    failing = wait_for(lambda: s if (s := h.store.get_master_state(master.url))["error"]
-                       else None, what="error in the status")
+    failing = wait_for(
+        lambda: s if (s := h.store.get_master_state(master.url))["error"] else None,
+        what="error in the status",
+    )
     assert "503" in failing["error"] and failing["keys"] == "3" and failing["stale"] == "0"
     wait_for(lambda: h.store.get_master_state(master.url)["stale"] == "1", what="stale")
     assert h.store.get_master_state(master.url)["blocks"] == "0"
@@ -137,8 +171,10 @@ def test_master_state_hash(harness_factory: Callable[..., Harness], master: Fake
 
 def ckey(block_hex: str, head: int, group: int, family: str = "default") -> str:
     """v0.20.2rc1 – main normal key of one KV-cache group."""
-    return (f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@pp_rank:0@group:{group}"
-            f"@cache_role:kv@cache_family:{family}@{block_hex}")
+    return (
+        f"{MODEL}@pcp0@dcp0@head_or_tp_rank:{head}@pp_rank:0@group:{group}"
+        f"@cache_role:kv@cache_family:{family}@{block_hex}"
+    )
 
 
 def hybrid_keys(ep: str, release: str) -> dict[str, tuple[str, ...]]:
@@ -146,15 +182,15 @@ def hybrid_keys(ep: str, release: str) -> dict[str, tuple[str, ...]]:
     its blocks' last sub-hash, v0.21–v0.24 a sha256 rehash of the four."""
     out = {ckey(DIGESTS[b].hex(), head, 0): (ep,) for b in range(8) for head in (0, 1)}
     for j in (0, 1):
-        sub = DIGESTS[4 * j:4 * j + 4]
+        sub = DIGESTS[4 * j : 4 * j + 4]
         coarse = sub[-1].hex() if release == "main" else rehash(sub).hex()
         out |= {ckey(coarse, head, 1, "c4"): (ep,) for head in (0, 1)}
     return out
 
 
 def test_main_hybrid_groups_and_an_unmappable_release(
-        harness_factory: Callable[..., Harness], master: FakeMaster,
-        caplog: pytest.LogCaptureFixture) -> None:
+    harness_factory: Callable[..., Harness], master: FakeMaster, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="services.l3_poller")
     ep = master.mount(f"{POD_A}:17001", f"{POD_A}:17001")
     master.set_keys(hybrid_keys(ep, "main"))
@@ -163,21 +199,31 @@ def test_main_hybrid_groups_and_an_unmappable_release(
     h.start(master)
     h.wait_members(POD_A, set(INTS[:8]))
     wait_for(lambda: h.store.l3_members(POD_A, 1) == {INTS[3], INTS[7]}, what="group 1")
-    state = wait_for(lambda: s if (s := h.store.get_master_state(master.url)).get("keys")
-                     == "20" else None, what="the master's status")
+    state = wait_for(
+        lambda: s if (s := h.store.get_master_state(master.url)).get("keys") == "20" else None,
+        what="the master's status",
+    )
     assert (state["keys_unmappable_group"], state["blocks"]) == ("0", "10")
     # the same model on v0.21–v0.24: group 1 is a rehash; nothing is guessed
     master.set_keys(hybrid_keys(ep, "v0.23.0"))
     h.wait_members(POD_A, set())
     assert h.store.l3_members(POD_A, 1) == set()
-    state = wait_for(lambda: s if (s := h.store.get_master_state(master.url)).get(
-        "keys_unmappable_group") == "20" else None, what="unmappable keys in the status")
+    state = wait_for(
+        lambda: (
+            s
+            if (s := h.store.get_master_state(master.url)).get("keys_unmappable_group") == "20"
+            else None
+        ),
+        what="unmappable keys in the status",
+    )
     assert (state["keys_unparsed"], state["blocks"]) == ("0", "0")
     assert h.metrics.keys_unmappable_group.value(master=master.url) == 20
     warned = [r.getMessage() for r in caplog.records if "share no block hash" in r.getMessage()]
     assert len(warned) == 1 and f"{MODEL} group 1" in warned[0]
     master.set_keys(hybrid_keys(ep, "main"))
-    wait_for(lambda: h.store.get_master_state(master.url)["keys_unmappable_group"] == "0",
-             what="mappable again")
+    wait_for(
+        lambda: h.store.get_master_state(master.url)["keys_unmappable_group"] == "0",
+        what="mappable again",
+    )
     h.wait_members(POD_A, set(INTS[:8]))
     assert h.metrics.keys_unmappable_group.value(master=master.url) == 0

@@ -36,8 +36,13 @@ def vkey(block: int, tp: int = 0, model: str = "Qwen2.5-0.5B-Instruct") -> str:
 
 
 def l3cfg(**kw: object) -> L3PollerSettings:
-    base: dict[str, object] = {"poll_interval": 0.1, "http_timeout": 0.5, "segments_timeout": 0.5,
-                               "stale_after": 1.0, "batch_size": 3}
+    base: dict[str, object] = {
+        "poll_interval": 0.1,
+        "http_timeout": 0.5,
+        "segments_timeout": 0.5,
+        "stale_after": 1.0,
+        "batch_size": 3,
+    }
     base.update(kw)
     return L3PollerSettings(**base)  # type: ignore[arg-type]
 
@@ -63,8 +68,11 @@ class Harness:
         return self.store.l3_members(ip)
 
     def wait_members(self, ip: str, expected: set[int], what: str = "") -> None:
-        wait_for(lambda: self.members(ip) == expected, timeout=10,
-                 what=what or f"L3 set of {ip} == {len(expected)} blocks")
+        wait_for(
+            lambda: self.members(ip) == expected,
+            timeout=10,
+            what=what or f"L3 set of {ip} == {len(expected)} blocks",
+        )
 
     def close(self) -> None:
         self.stop.set()
@@ -80,8 +88,9 @@ def populate(m: FakeMaster) -> tuple[str, str]:
     return ep_a, ep_b
 
 
-def test_segment_scope_sets_and_steady_state(harness_factory: Callable[..., Harness],
-                                            master: FakeMaster) -> None:
+def test_segment_scope_sets_and_steady_state(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     ep_a, _ = populate(master)
     master.put("lmcache-key@1@0@abc@bfloat16")  # another connector: skipped
     h = harness_factory()
@@ -112,8 +121,9 @@ def test_segment_scope_sets_and_steady_state(harness_factory: Callable[..., Harn
     assert h.metrics.locate_calls.value(master=master.url, endpoint="query_key") == 0
 
 
-def test_unmounted_segment_takes_its_blocks_away(harness_factory: Callable[..., Harness],
-                                                master: FakeMaster) -> None:
+def test_unmounted_segment_takes_its_blocks_away(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     populate(master)
     h = harness_factory()
     h.register(POD_A, POD_B)
@@ -142,8 +152,9 @@ def test_old_masters(harness_factory: Callable[..., Harness], version: str) -> N
         m.stop()
 
 
-def test_tp2_block_missing_one_rank(harness_factory: Callable[..., Harness],
-                                    master: FakeMaster) -> None:
+def test_tp2_block_missing_one_rank(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     ep_a = master.mount(f"{POD_A}:12300", f"{POD_A}:15000")
     ep_b = master.mount(f"{POD_B}:12300", f"{POD_B}:15000")
     for b in range(4):
@@ -162,8 +173,9 @@ def gkey(block: int, tp: int, group: int) -> str:
     return f"Hybrid@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@{DIGESTS[block].hex()}"
 
 
-def test_hybrid_groups_are_separate_sets(harness_factory: Callable[..., Harness],
-                                         master: FakeMaster) -> None:
+def test_hybrid_groups_are_separate_sets(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     """vLLM in-tree TP2 hybrid: full-attention group 0 at every block, sliding-window group 1
     at the tails only (blocks 3 and 5). Each group is its own set in Redis."""
     ep_a = master.mount(f"{POD_A}:12300", f"{POD_A}:15000")
@@ -190,8 +202,9 @@ def test_hybrid_groups_are_separate_sets(harness_factory: Callable[..., Harness]
     assert h.store.l3_state(POD_B)["groups"] == "0" and h.members(POD_B) == set()
 
 
-def test_pool_scope_and_standalone_fallback(harness_factory: Callable[..., Harness],
-                                            master: FakeMaster) -> None:
+def test_pool_scope_and_standalone_fallback(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     populate(master)
     h = harness_factory(scope="pool")
     h.register(POD_A, POD_B, POD_C)
@@ -226,8 +239,9 @@ class FrozenClock:
 
 
 @pytest.mark.parametrize("fault", ["503", "garbage", "binary", "truncated", "slow", "down"])
-def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
-                                        monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+def test_faults_keep_state_then_drop_it(
+    harness_factory: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
     clock = FrozenClock()
     monkeypatch.setattr(poller_mod, "time", clock)
     monkeypatch.setattr(client_mod, "time", clock)  # the body deadline is on the same clock
@@ -244,9 +258,16 @@ def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
     else:
         master.slow_seconds = 1.0
         master.fault = fault
-    wait_for(lambda: sum(errors(master=master.url, reason=r) for r in
-                         ("status_503", "garbage", "truncated", "timeout", "down")) >= 2,
-             what=f"failed polls ({fault})")
+    wait_for(
+        lambda: (
+            sum(
+                errors(master=master.url, reason=r)
+                for r in ("status_503", "garbage", "truncated", "timeout", "down")
+            )
+            >= 2
+        ),
+        what=f"failed polls ({fault})",
+    )
     assert h.members(POD_A) == set(INTS[:4])  # kept while younger than staleAfter
     assert h.store.l3_state(POD_A)["stale"] == "0"
     clock.now += 1.5  # staleAfter has passed since the last good poll
@@ -264,8 +285,9 @@ def test_faults_keep_state_then_drop_it(harness_factory: Callable[..., Harness],
     master.stop()
 
 
-def test_masters_are_independent_and_removal_clears(harness_factory: Callable[..., Harness],
-                                                    master: FakeMaster) -> None:
+def test_masters_are_independent_and_removal_clears(
+    harness_factory: Callable[..., Harness], master: FakeMaster
+) -> None:
     other = FakeMaster("0.3.13").start()
     try:
         ep_a = master.mount(f"{POD_A}:12300", f"{POD_A}:15000")
@@ -299,8 +321,9 @@ def test_ipv6_instance(harness_factory: Callable[..., Harness], master: FakeMast
     h.wait_members("fd00:0:0::a", {INTS[0]})
 
 
-def test_command_exposes_metrics(redis_server: object, master: FakeMaster, tmp_path: object,
-                                 subprocess_env: dict[str, str]) -> None:
+def test_command_exposes_metrics(
+    redis_server: object, master: FakeMaster, tmp_path: object, subprocess_env: dict[str, str]
+) -> None:
     url = redis_server.url  # type: ignore[attr-defined]
     store = Store(redis.Redis.from_url(url))
     store.r.flushall()
@@ -311,13 +334,30 @@ def test_command_exposes_metrics(redis_server: object, master: FakeMaster, tmp_p
     cfg.write_text(f"redis:\n  url: {url}\ningest:\n  l3:\n    pollInterval: 100ms\n")
     port = reserve_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "l3-poll", "--config", str(cfg),
-         "--metrics-port", str(port)], env=subprocess_env, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "l3-poll",
+            "--config",
+            str(cfg),
+            "--metrics-port",
+            str(port),
+        ],
+        env=subprocess_env,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(lambda: store.l3_members(POD_A) == set(INTS[:4]), what="l3-poll writes")
         text = wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/metrics").text)
-        for name in ("keys_seen_total", "keys_parsed_total", "keys_skipped_total",
-                     "locate_calls_total", "poll_seconds_count", "errors_total"):
+        for name in (
+            "keys_seen_total",
+            "keys_parsed_total",
+            "keys_skipped_total",
+            "locate_calls_total",
+            "poll_seconds_count",
+            "errors_total",
+        ):
             assert f"cache_indexer_l3_{name}" in text
         assert f'cache_indexer_l3_keys_parsed_total{{master="{master.url}"}}' in text
     finally:
@@ -327,8 +367,9 @@ def test_command_exposes_metrics(redis_server: object, master: FakeMaster, tmp_p
 
 
 @pytest.mark.parametrize("version", ["0.3.13", "0.3.8"])
-def test_overlong_lines_and_malformed_locate_bodies(harness_factory: Callable[..., Harness],
-                                                   version: str) -> None:
+def test_overlong_lines_and_malformed_locate_bodies(
+    harness_factory: Callable[..., Harness], version: str
+) -> None:
     """A 1 MiB key line is skipped and counted; a body that is one 16 MiB line fails the
     poll as truncated, a malformed ``/batch_query_keys`` or ``/query_key`` body as garbage
     (0.3.8 has no batch endpoint: ``/query_key`` per key)."""

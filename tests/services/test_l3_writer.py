@@ -32,8 +32,13 @@ class CountingStore(Store):
         self.mapped: list[str] = []
         """IPs written with a group mapping (not a plain collection), in order."""
 
-    def replace_l3(self, ip: str, hashes: Iterable[int] | Mapping[int, Iterable[int]],
-                   state: dict[str, str] | None = None, gen: int | None = None) -> bool:
+    def replace_l3(
+        self,
+        ip: str,
+        hashes: Iterable[int] | Mapping[int, Iterable[int]],
+        state: dict[str, str] | None = None,
+        gen: int | None = None,
+    ) -> bool:
         if self.fail:
             raise redis.ConnectionError("injected")
         self.replaced[ip] += 1
@@ -54,8 +59,12 @@ def store(redis_client: redis.Redis) -> CountingStore:
 
 def pool_view(writer: L3Writer, hashes: Collection[int], polled_ms: int) -> MasterView:
     """A fresh view (new array object, new poll time) as each poll publishes."""
-    return MasterView(Blocks({}, array("Q", sorted(hashes)), len(hashes)),
-                      frozenset({POD_A, POD_B}), polled_ms, gens=writer.generations())
+    return MasterView(
+        Blocks({}, array("Q", sorted(hashes)), len(hashes)),
+        frozenset({POD_A, POD_B}),
+        polled_ms,
+        gens=writer.generations(),
+    )
 
 
 def test_pool_scope_skips_unchanged_sets(store: CountingStore) -> None:
@@ -114,8 +123,12 @@ def test_segment_scope_rewrites_only_the_instance_that_changed(store: CountingSt
 
     def view(a: set[int], b: set[int], polled: int) -> MasterView:
         per_ip = {POD_A: array("Q", sorted(a)), POD_B: array("Q", sorted(b))}
-        return MasterView(Blocks(per_ip, None, len(a | b)), frozenset({POD_A, POD_B}), polled,
-                          gens=writer.generations())
+        return MasterView(
+            Blocks(per_ip, None, len(a | b)),
+            frozenset({POD_A, POD_B}),
+            polled,
+            gens=writer.generations(),
+        )
 
     assert writer.publish(MASTER, view({1, 2}, {3}, 1), "owner")
     assert writer.publish(MASTER, view({1, 2}, {3}, 2), "owner")
@@ -124,15 +137,14 @@ def test_segment_scope_rewrites_only_the_instance_that_changed(store: CountingSt
     assert store.l3_members(POD_B) == {3, 4} and store.l3_state(POD_B)["blocks"] == "2"
 
 
-def test_groups_are_written_as_sets_and_take_part_in_change_detection(
-        store: CountingStore) -> None:
+def test_groups_are_written_as_sets_and_take_part_in_change_detection(store: CountingStore) -> None:
     writer = L3Writer(store, "segment", PollerMetrics.register())
     writer.enroll(MASTER, "owner")
 
     def view(a: dict[int, set[int]], polled: int) -> MasterView:
         def blocks(hashes: set[int]) -> Blocks:
-            return Blocks({POD_A: array("Q", sorted(hashes))} if hashes else {}, None,
-                          len(hashes))
+            return Blocks({POD_A: array("Q", sorted(hashes))} if hashes else {}, None, len(hashes))
+
         top = blocks(a.get(0, set()))
         top.groups = {g: blocks(h) for g, h in a.items() if g}
         return MasterView(top, frozenset({POD_A, POD_B}), polled, gens=writer.generations())

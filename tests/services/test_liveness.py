@@ -90,13 +90,13 @@ def _wedge_and_release(probe: Probe, gate: Gate, loop: str) -> None:
     wait_for(lambda: probe.get("/healthz")[0] == 200, timeout=10, what="a live process")
     gate.close()
     wait_for(gate.entered.is_set, timeout=10, what=f"the {loop} to enter the gate")
-    status, text = wait_for(lambda: (r := probe.get("/healthz"))[0] == 503 and r,
-                            timeout=10, what="/healthz to fail")
+    status, text = wait_for(
+        lambda: (r := probe.get("/healthz"))[0] == 503 and r, timeout=10, what="/healthz to fail"
+    )
     assert loop in text and "no progress" in text
     assert probe.get("/readyz")[0] == 503, "a stalled process is not ready"
     gate.open.set()
-    wait_for(lambda: probe.get("/healthz") == (200, "ok\n"), timeout=10,
-             what="/healthz to recover")
+    wait_for(lambda: probe.get("/healthz") == (200, "ok\n"), timeout=10, what="/healthz to recover")
 
 
 def _thread(target: Callable[..., Any], *args: Any, **kw: Any) -> threading.Thread:
@@ -109,8 +109,16 @@ def test_l1_assignment_loop(redis_client: redis.Redis, health: tuple[Health, Pro
     h, probe = health
     gate, stop = Gate(), threading.Event()
     store = WedgingStore(redis_client, gate)
-    t = _thread(run_assignment, stop, store, StaticAssigner(0, 1), lambda _: None,
-                interval=0.05, backoff=Backoff(0.05, 0.2), health=h)
+    t = _thread(
+        run_assignment,
+        stop,
+        store,
+        StaticAssigner(0, 1),
+        lambda _: None,
+        interval=0.05,
+        backoff=Backoff(0.05, 0.2),
+        health=h,
+    )
     wait_for(lambda: probe.get("/readyz") == (200, "ok\n"), what="ready once Redis was read")
     _wedge_and_release(probe, gate, "assignment loop")
     stop.set()
@@ -123,10 +131,20 @@ def test_l1_ingester_is_not_ready_without_redis() -> None:
     probe = Probe(h)
     stop = threading.Event()
     down = Store(redis.Redis(port=reserve_port(), socket_connect_timeout=0.2))
-    t = _thread(run_assignment, stop, down, StaticAssigner(0, 1), lambda _: None,
-                interval=0.05, backoff=Backoff(0.05, 0.1), health=h)
-    status, text = wait_for(lambda: (r := probe.get("/readyz"))[1] != "not ready: redis: "
-                            "not checked yet\n" and r, what="a readiness verdict")
+    t = _thread(
+        run_assignment,
+        stop,
+        down,
+        StaticAssigner(0, 1),
+        lambda _: None,
+        interval=0.05,
+        backoff=Backoff(0.05, 0.1),
+        health=h,
+    )
+    status, text = wait_for(
+        lambda: (r := probe.get("/readyz"))[1] != "not ready: redis: not checked yet\n" and r,
+        what="a readiness verdict",
+    )
     assert status == 503 and "cannot read the registry" in text
     assert probe.get("/healthz")[0] == 200, "failing calls are progress: live, not ready"
     stop.set()
@@ -142,11 +160,17 @@ def test_l1_subscriber_loop(redis_client: redis.Redis, health: tuple[Health, Pro
     t = _thread(sub.run, stop)
     wait_for(lambda: probe.get("/healthz")[0] == 200, what="a live subscriber")
     gate.close()  # the next subscription reads its cursor (last_seq) and hangs there
-    sub.set_instances({"127.0.0.9": Instance(ip="127.0.0.9", uid="u",
-                                              zmq_endpoint=f"tcp://127.0.0.1:{reserve_port()}")})
+    sub.set_instances(
+        {
+            "127.0.0.9": Instance(
+                ip="127.0.0.9", uid="u", zmq_endpoint=f"tcp://127.0.0.1:{reserve_port()}"
+            )
+        }
+    )
     wait_for(gate.entered.is_set, timeout=10, what="the subscriber to enter the gate")
-    _, text = wait_for(lambda: (r := probe.get("/healthz"))[0] == 503 and r,
-                       what="/healthz to fail")
+    _, text = wait_for(
+        lambda: (r := probe.get("/healthz"))[0] == 503 and r, what="/healthz to fail"
+    )
     assert "subscriber loop" in text
     gate.open.set()
     wait_for(lambda: probe.get("/healthz")[0] == 200, what="/healthz to recover")
@@ -174,8 +198,9 @@ class _WedgedSource:
 def test_discovery_loop(redis_client: redis.Redis, health: tuple[Health, Probe]) -> None:
     h, probe = health
     gate, stop = Gate(), threading.Event()
-    reconciler = Reconciler(Store(redis_client), "holder", 1.0,
-                            DiscoveryMetrics.register(Registry()))
+    reconciler = Reconciler(
+        Store(redis_client), "holder", 1.0, DiscoveryMetrics.register(Registry())
+    )
     source = _WedgedSource(gate)
     t = _thread(run, source, reconciler, stop, Backoff(0.05, 0.2), h)
     wait_for(lambda: probe.get("/readyz")[0] == 200, what="ready after a pass")
@@ -204,11 +229,16 @@ def test_l3_master_poll_loop(redis_client: redis.Redis, health: tuple[Health, Pr
     gate, stop = Gate(), threading.Event()
     store = Store(redis_client)
     store.set_masters({"http://127.0.0.1:9": "{}"})
-    cfg = L3PollerSettings(poll_interval=0.05, http_timeout=0.2, segments_timeout=0.2,
-                           stale_after=60)
-    poller = L3Poller(cfg, store, PollerMetrics.register(),
-                      client_factory=lambda _url: _HangingMaster(gate),  # type: ignore
-                      health=h)
+    cfg = L3PollerSettings(
+        poll_interval=0.05, http_timeout=0.2, segments_timeout=0.2, stale_after=60
+    )
+    poller = L3Poller(
+        cfg,
+        store,
+        PollerMetrics.register(),
+        client_factory=lambda _url: _HangingMaster(gate),  # type: ignore
+        health=h,
+    )
     t = _thread(poller.run, stop)
     wait_for(lambda: probe.get("/readyz")[0] == 200, what="ready after a registry read")
     _wedge_and_release(probe, gate, "master http://127.0.0.1:9")

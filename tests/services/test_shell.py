@@ -42,10 +42,10 @@ def _never(_proc: shell.Process[L1IngestSettings]) -> None:
 
 
 def test_a_bad_config_exits_2_listing_every_problem(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = _config(tmp_path, "ingest:\n  l1:\n    topic: [x]\n    bogus: 1\nlog:\n  level: loud\n")
-    assert shell.run_worker("prog", "d", ["--config", path], translate=_settings,
-                            run=_never) == 2
+    assert shell.run_worker("prog", "d", ["--config", path], translate=_settings, run=_never) == 2
     err = capsys.readouterr().err
     assert err.startswith("prog: invalid config")
     for key in ("ingest.l1.topic", "ingest.l1.bogus", "log.level"):
@@ -56,12 +56,14 @@ def test_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert shell.run_worker("prog", "d", ["--help"], translate=_settings, run=_never) == 0
     assert "--metrics-port" in capsys.readouterr().out
     assert shell.run_worker("prog", "d", ["--nope"], translate=_settings, run=_never) == 2
-    assert shell.run_worker("prog", "d", ["--metrics-port", "x"], translate=_settings,
-                            run=_never) == 2
+    assert (
+        shell.run_worker("prog", "d", ["--metrics-port", "x"], translate=_settings, run=_never) == 2
+    )
 
 
 def test_a_config_error_while_setting_up_exits_2_and_closes(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     closed: list[str] = []
 
     def run(proc: shell.Process[L1IngestSettings]) -> None:
@@ -69,8 +71,12 @@ def test_a_config_error_while_setting_up_exits_2_and_closes(
         proc.on_exit(lambda: closed.append("second"))
         raise ConfigError("no kubeconfig")
 
-    assert shell.run_worker("prog", "d", ["--config", _config(tmp_path, "{}\n")],
-                            translate=_settings, run=run) == 2
+    assert (
+        shell.run_worker(
+            "prog", "d", ["--config", _config(tmp_path, "{}\n")], translate=_settings, run=run
+        )
+        == 2
+    )
     assert capsys.readouterr().err == "prog: no kubeconfig\n"
     assert closed == ["second", "first"]
 
@@ -92,7 +98,8 @@ def _clients(server: RedisServer, name: str) -> int:
 
 
 def test_a_worker_runs_with_its_settings_metrics_and_redis_then_all_is_closed(
-        tmp_path: Path, redis_server: RedisServer) -> None:
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
     port = reserve_port()
     path = _config(tmp_path, f"redis:\n  url: {redis_server.url}\ningest:\n  l1:\n    topic: t\n")
     seen: dict[str, object] = {}
@@ -109,8 +116,16 @@ def test_a_worker_runs_with_its_settings_metrics_and_redis_then_all_is_closed(
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
             seen["metrics"] = resp.read().decode()
 
-    assert shell.run_worker("prog", "d", ["--config", path, "--metrics-port", str(port)],
-                            translate=_settings, run=run) == 0
+    assert (
+        shell.run_worker(
+            "prog",
+            "d",
+            ["--config", path, "--metrics-port", str(port)],
+            translate=_settings,
+            run=run,
+        )
+        == 0
+    )
     assert seen["topic"] == "t" and seen["clients"] == 1 and seen["healthz"] == 200
     assert "shell_test_total 1.0" in str(seen["metrics"])
     wait_for(lambda: _clients(redis_server, "shell-test") == 0, what="the Redis client closed")

@@ -27,17 +27,26 @@ END_SEQ8 = b"\xff" * 8
 
 def payload(hashes: list[int], *, ts: float, rank: int = 0) -> bytes:
     """A real 0.28 EventBatch storing ``hashes`` (one GPU block each, chained from none)."""
-    events = [BlockStored([h], None, list(range(h % 1000, h % 1000 + 4)), 4, medium="GPU")
-              for h in hashes]
+    events = [
+        BlockStored([h], None, list(range(h % 1000, h % 1000 + 4)), 4, medium="GPU") for h in hashes
+    ]
     return encode_batch(events, ts=ts, data_parallel_rank=rank, vllm_version=(0, 28, 0))
 
 
 class FakePublisher:
     """One vLLM publisher (one DP rank): sequence, replay buffer, ROUTER, optional PUB."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], replay_port: int, *,
-                 pub_port: int | None = None, topic: bytes = b"kv", buffer_steps: int = 10_000,
-                 framing: str = "0.26", rank: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        replay_port: int,
+        *,
+        pub_port: int | None = None,
+        topic: bytes = b"kv",
+        buffer_steps: int = 10_000,
+        framing: str = "0.26",
+        rank: int = 0,
+    ) -> None:
         self.topic, self.framing, self.rank = topic, framing, rank
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.lifetime = 1
@@ -94,7 +103,8 @@ class FakePublisher:
             for seq, data in list(self.buffer):
                 if seq >= start_seq:
                     self.router.send_multipart(
-                        [identity, b"", *self._topic(), seq.to_bytes(8, "big"), data])
+                        [identity, b"", *self._topic(), seq.to_bytes(8, "big"), data]
+                    )
             self.router.send_multipart([identity, b"", *self._topic(b""), END_SEQ8, b""])
             answered += 1
 

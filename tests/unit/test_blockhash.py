@@ -387,8 +387,13 @@ def test_the_bad_id_is_named_even_after_a_zero(algo: str) -> None:
 def test_event_ints_and_member_keys_carry_salt_and_lora(version: str) -> None:
     case = next(c for c in VECTORS[version] if c["name"] == "lora_salt")
     hasher = BlockHasher(HashSettings.from_strings(case["algo"], case["seed"], version))
-    args = (case["token_ids"], case["block_size"], case["cache_salt"], case["lora_name"],
-            case["lora_path"])
+    args = (
+        case["token_ids"],
+        case["block_size"],
+        case["cache_salt"],
+        case["lora_name"],
+        case["lora_path"],
+    )
     ints = [int(h[-16:], 16) for h in case["block_hashes_hex"]]  # vLLM's, from the file
     assert hasher.event_ints(*args) == ints
     assert hasher.member_keys(*args) == [str(i).encode() for i in ints]

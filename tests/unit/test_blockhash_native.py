@@ -25,8 +25,10 @@ from tests.conftest import ROOT, require
 
 
 def _encoder() -> native.Encoder:
-    require(native.ENCODER is not None,
-            f"the C block encoder is not built ({native.status()}); run scripts/setup.sh")
+    require(
+        native.ENCODER is not None,
+        f"the C block encoder is not built ({native.status()}); run scripts/setup.sh",
+    )
     assert native.ENCODER is not None
     return native.ENCODER
 
@@ -39,14 +41,17 @@ def test_the_built_library_hashes_in_c_and_says_so() -> None:
 
 
 def test_self_test_refuses_sha_functions_that_disagree_with_hashlib(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """SHA-224's functions have SHA-256's signatures but other digests: the chain must not
     be used with them (the process falls back to hashlib per block)."""
     encoder = _encoder()
     require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
     lib = ctypes.CDLL(encoder.sha_source)
-    wrong = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0
-                  for f in (lib.SHA224_Init, lib.SHA224_Update, lib.SHA224_Final))
+    wrong = tuple(
+        ctypes.cast(f, ctypes.c_void_p).value or 0
+        for f in (lib.SHA224_Init, lib.SHA224_Update, lib.SHA224_Final)
+    )
     monkeypatch.setattr(native, "_openssl_sha256", lambda: (wrong, encoder.sha_source))
     refused = native.Encoder(encoder.path)
     assert refused.sha is None
@@ -66,8 +71,10 @@ def test_chain_and_per_block_hashing_agree_across_chunks() -> None:
     require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
     rng = random.Random(12)
     widths = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
-    tokens = [rng.choice(widths) if rng.random() < 0.3 else rng.randrange(151_936)
-              for _ in range(3 * 8192 + 77)]
+    tokens = [
+        rng.choice(widths) if rng.random() < 0.3 else rng.randrange(151_936)
+        for _ in range(3 * 8192 + 77)
+    ]
     hasher = BlockHasher(HashSettings(vllm_version=(0, 31, 0)))
     digests = hasher.digests(tokens, 48, cache_salt="salt", lora_name="a", lora_path="/p")
     preimages = hasher.preimages(tokens, 48, cache_salt="salt", lora_name="a", lora_path="/p")
@@ -79,9 +86,17 @@ def test_chain_and_per_block_hashing_agree_across_chunks() -> None:
 def test_the_switch_turns_it_off(value: str) -> None:
     env = {**os.environ, native.DISABLE_ENV: value, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", "from common import blockhash_native as n; "
-         "print(n.ENCODER is None); print(n.status())"],
-        env=env, capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+        [
+            sys.executable,
+            "-c",
+            "from common import blockhash_native as n; print(n.ENCODER is None); print(n.status())",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout.splitlines()
     assert out[0] == "True"
     assert native.DISABLE_ENV in out[1]
 

@@ -63,29 +63,56 @@ int main(void) {
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
-def program(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+def program(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path]:
     """(the qemu emulator, the test program built for its CPU)."""
     arch = request.param
     compiler, emulator = TARGETS[arch], f"qemu-{arch}"
-    require(shutil.which(compiler) and shutil.which(emulator),
-            f"{compiler} and {emulator} are needed (Debian: gcc-{arch}-linux-gnu, qemu-user)")
+    require(
+        shutil.which(compiler) and shutil.which(emulator),
+        f"{compiler} and {emulator} are needed (Debian: gcc-{arch}-linux-gnu, qemu-user)",
+    )
     work = tmp_path_factory.mktemp(arch)
     (work / "main.c").write_text(MAIN)
     binary = work / "encode"
-    subprocess.run([compiler, "-O2", "-static", "-Wall", "-Werror", "-o", str(binary),
-                    str(work / "main.c"), str(SOURCE)], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-O2",
+            "-static",
+            "-Wall",
+            "-Werror",
+            "-o",
+            str(binary),
+            str(work / "main.c"),
+            str(SOURCE),
+        ],
+        check=True,
+    )
     return emulator, binary
 
 
-def _run(program: tuple[str, Path], ids: list[int], block_size: int, first: bytes,
-         tail: bytes, digests: bytes) -> tuple[bytes, list[int], list[bytes]]:
+def _run(
+    program: tuple[str, Path],
+    ids: list[int],
+    block_size: int,
+    first: bytes,
+    tail: bytes,
+    digests: bytes,
+) -> tuple[bytes, list[int], list[bytes]]:
     words = [len(ids), block_size, len(first), len(tail), *ids]
-    stdin = (struct.pack(f">{len(words)}Q", *words) + first + tail
-             + struct.pack(">Q", len(digests) // 32) + digests)
+    stdin = (
+        struct.pack(f">{len(words)}Q", *words)
+        + first
+        + tail
+        + struct.pack(">Q", len(digests) // 32)
+        + digests
+    )
     emulator, binary = program
-    out = subprocess.run([emulator, str(binary)], input=stdin, capture_output=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [emulator, str(binary)], input=stdin, capture_output=True, check=True, timeout=60
+    ).stdout
     ends, keys, body = out.split(b"\n", 2)
     return body, [int(e) for e in ends.split()], keys.split()
 
@@ -94,8 +121,10 @@ def _run(program: tuple[str, Path], ids: list[int], block_size: int, first: byte
 def test_preimages_and_keys_on_other_cpus(program: tuple[str, Path], block_size: int) -> None:
     rng = random.Random(block_size)
     edges = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
-    ids = [rng.choice(edges) if rng.random() < 0.3 else rng.randrange(151_936)
-           for _ in range(block_size * 5 + 3)]
+    ids = [
+        rng.choice(edges) if rng.random() < 0.3 else rng.randrange(151_936)
+        for _ in range(block_size * 5 + 3)
+    ]
     first, tail = cbor2.dumps(("salt",), canonical=True), cbor2.dumps(None)
     values = edges + [rng.getrandbits(64) for _ in range(50)]
     digests = b"".join(rng.randbytes(24) + v.to_bytes(8, "big") for v in values)

@@ -80,8 +80,13 @@ def reference(
 
 
 @PROPERTY
-@given(data=st.data(), version=st.sampled_from(VERSIONS), block_size=block_sizes,
-       salt=salts, lora=loras)  # fmt: skip
+@given(
+    data=st.data(),
+    version=st.sampled_from(VERSIONS),
+    block_size=block_sizes,
+    salt=salts,
+    lora=loras,
+)
 @example(data=None, version=(0, 28, 0), block_size=16, salt=None, lora=None)
 def test_cbor_hashes_match_the_reference_bit_for_bit(
     data: st.DataObject | None,
@@ -136,8 +141,11 @@ def test_encoder_is_cbor2_id_by_id(tokens: list[int], block_size: int) -> None:
 
 
 @PROPERTY
-@given(tokens=token_ids(2**31, max_size=300), block_size=block_sizes,
-       dtype=st.sampled_from([np.int64, np.uint64, np.int32, np.uint32]))  # fmt: skip
+@given(
+    tokens=token_ids(2**31, max_size=300),
+    block_size=block_sizes,
+    dtype=st.sampled_from([np.int64, np.uint64, np.int32, np.uint32]),
+)
 def test_numpy_and_tuple_inputs_hash_like_lists(
     tokens: list[int], block_size: int, dtype: type[np.integer]
 ) -> None:

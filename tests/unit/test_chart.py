@@ -116,13 +116,17 @@ def test_config_section_defaults_match_the_service_defaults(tmp_path: Path) -> N
 
 # ---- rendered by Helm's engine ----------------------------------------------------------
 
+
 def load_helm() -> Any:
     """Helm's engine (helm-python-sdk): skips the test locally without it, fails in CI."""
     try:
         import helm_python
     except ImportError as exc:
-        require(False, f"helm-python-sdk (Helm's engine) does not import: {exc} "
-                       "(pip install -e '.[chart]'; scripts/setup.sh does)")
+        require(
+            False,
+            f"helm-python-sdk (Helm's engine) does not import: {exc} "
+            "(pip install -e '.[chart]'; scripts/setup.sh does)",
+        )
     return helm_python
 
 
@@ -131,8 +135,9 @@ def helm() -> Any:
     return load_helm()
 
 
-def _render(helm: Any, values: dict[str, Any] | None = None,
-            ns: str = "infer") -> dict[str, list[Any]]:
+def _render(
+    helm: Any, values: dict[str, Any] | None = None, ns: str = "infer"
+) -> dict[str, list[Any]]:
     with helm.Chart.load(str(CHART)) as chart:
         out = chart.render(values, name="rel", namespace=ns, is_install=True)
     by_kind: dict[str, list[Any]] = {}
@@ -146,8 +151,10 @@ def _render(helm: Any, values: dict[str, Any] | None = None,
 
 def _deployment(docs: dict[str, list[Any]], component: str) -> dict[str, Any]:
     found: list[dict[str, Any]] = [
-        d for d in docs["Deployment"]
-        if d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        d
+        for d in docs["Deployment"]
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
     assert len(found) == 1
     return found[0]
 
@@ -166,14 +173,21 @@ def test_chart_lints_and_renders_the_contract(helm: Any, values: Any, tmp_path: 
     docs = _render(helm, values)
     (svc,) = [s for s in docs["Service"] if s["metadata"]["name"] == "cache-indexer-service"]
     assert svc["spec"]["ports"] == [
-        {"name": "http", "port": 8080, "targetPort": 28080, "protocol": "TCP"}]
+        {"name": "http", "port": 8080, "targetPort": 28080, "protocol": "TCP"}
+    ]
     api = _deployment(docs, "api")["spec"]["template"]["spec"]
     (ctr,) = api["containers"]
     assert ctr["ports"] == [{"name": "http", "containerPort": 28080, "protocol": "TCP"}]
-    assert (ctr["livenessProbe"]["httpGet"]["path"], ctr["livenessProbe"]["initialDelaySeconds"],
-            ctr["livenessProbe"]["periodSeconds"]) == ("/healthz", 5, 10)
-    assert (ctr["readinessProbe"]["httpGet"]["path"], ctr["readinessProbe"]["initialDelaySeconds"],
-            ctr["readinessProbe"]["periodSeconds"]) == ("/readyz", 2, 5)
+    assert (
+        ctr["livenessProbe"]["httpGet"]["path"],
+        ctr["livenessProbe"]["initialDelaySeconds"],
+        ctr["livenessProbe"]["periodSeconds"],
+    ) == ("/healthz", 5, 10)
+    assert (
+        ctr["readinessProbe"]["httpGet"]["path"],
+        ctr["readinessProbe"]["initialDelaySeconds"],
+        ctr["readinessProbe"]["periodSeconds"],
+    ) == ("/readyz", 2, 5)
     env = {e["name"]: e for e in ctr["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert env["CACHE_INDEXER_CONFIG"]["value"] == "/etc/cache-indexer/config.yaml"
@@ -214,11 +228,19 @@ def test_rbac_is_pods_read_only_in_the_namespace(helm: Any) -> None:
     (binding,) = docs["RoleBinding"]
     (sa,) = docs["ServiceAccount"]
     assert binding["subjects"][0]["name"] == sa["metadata"]["name"]
-    tokens = {d["metadata"]["labels"]["app.kubernetes.io/component"]:
-              d["spec"]["template"]["spec"]["automountServiceAccountToken"]
-              for d in docs["Deployment"]}
-    assert tokens == {"api": False, "discovery": True, "l1-ingest": False, "l3-poll": False,
-                      "redis": False}
+    tokens = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["spec"][
+            "automountServiceAccountToken"
+        ]
+        for d in docs["Deployment"]
+    }
+    assert tokens == {
+        "api": False,
+        "discovery": True,
+        "l1-ingest": False,
+        "l3-poll": False,
+        "redis": False,
+    }
 
 
 def test_components_run_real_subcommands_with_their_replica_counts(helm: Any) -> None:
@@ -232,20 +254,33 @@ def test_components_run_real_subcommands_with_their_replica_counts(helm: Any) ->
             assert args[0] == component and args[0] in SUBCOMMANDS
     assert replicas == {"api": 3, "discovery": 1, "l1-ingest": 4, "l3-poll": 1, "redis": 1}
     # An empty service.name gives the <release>-cache-indexer name that parent charts use.
-    (svc,) = [s for s in _render(helm, {"service": {"name": ""}})["Service"]
-              if s["metadata"]["labels"]["app.kubernetes.io/component"] == "api"]
+    (svc,) = [
+        s
+        for s in _render(helm, {"service": {"name": ""}})["Service"]
+        if s["metadata"]["labels"]["app.kubernetes.io/component"] == "api"
+    ]
     assert svc["metadata"]["name"] == "rel-cache-indexer"
 
 
 def test_external_redis_and_disabled_components(helm: Any, tmp_path: Path) -> None:
-    docs = _render(helm, {"redis": {"url": "redis://ext:6380/2"}, "l3Poller": {"enabled": False},
-                    "discoveryWorker": {"enabled": False}})
-    assert {d["metadata"]["labels"]["app.kubernetes.io/component"]
-            for d in docs["Deployment"]} == {"api", "l1-ingest"}
+    docs = _render(
+        helm,
+        {
+            "redis": {"url": "redis://ext:6380/2"},
+            "l3Poller": {"enabled": False},
+            "discoveryWorker": {"enabled": False},
+        },
+    )
+    assert {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs["Deployment"]} == {
+        "api",
+        "l1-ingest",
+    }
     assert _rendered_config(docs, tmp_path).redis.url == "redis://ext:6380/2"
     docs = _render(helm, {"redis": {"enabled": False, "existingSecret": "redis-cred"}})
-    env = {e["name"]: e for e in _deployment(docs, "l1-ingest")["spec"]["template"]["spec"]
-           ["containers"][0]["env"]}
+    env = {
+        e["name"]: e
+        for e in _deployment(docs, "l1-ingest")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     ref = env["CACHE_INDEXER_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "redis-cred", "key": "url"}
     with pytest.raises(helm.HelmError, match="redis.url"):
@@ -255,8 +290,11 @@ def test_external_redis_and_disabled_components(helm: Any, tmp_path: Path) -> No
 
 
 def test_label_profiles_reach_the_config(helm: Any, tmp_path: Path) -> None:
-    labels = {"engineKey": "infernex.io/pdEngineGroup", "engineValue": "infer.qwen",
-              "pdRoleValue": ["prefill"]}
+    labels = {
+        "engineKey": "infernex.io/pdEngineGroup",
+        "engineValue": "infer.qwen",
+        "pdRoleValue": ["prefill"],
+    }
     cfg = _rendered_config(_render(helm, {"discovery": {"labels": labels}}), tmp_path)
     assert cfg.discovery.labels.engine_key == "infernex.io/pdEngineGroup"
     assert cfg.discovery.labels.pd_role_value == ["prefill"]
@@ -265,10 +303,14 @@ def test_label_profiles_reach_the_config(helm: Any, tmp_path: Path) -> None:
 
 # ---- every rendered field is one the Kubernetes API knows -------------------------------
 
-_MODELS = {("v1", "Service"): "V1Service", ("v1", "ConfigMap"): "V1ConfigMap",
-           ("v1", "ServiceAccount"): "V1ServiceAccount", ("apps/v1", "Deployment"): "V1Deployment",
-           ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
-           ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding"}
+_MODELS = {
+    ("v1", "Service"): "V1Service",
+    ("v1", "ConfigMap"): "V1ConfigMap",
+    ("v1", "ServiceAccount"): "V1ServiceAccount",
+    ("apps/v1", "Deployment"): "V1Deployment",
+    ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+}
 _PRIMITIVE = {"str", "int", "bool", "float", "bytes", "object", "datetime"}
 
 
@@ -276,8 +318,11 @@ def _unknown_fields(value: Any, type_name: str, path: str) -> list[str]:
     if type_name in _PRIMITIVE or value is None:
         return []
     if type_name.startswith(("list[", "List[")):  # the client's spelling varies by release
-        return [p for i, v in enumerate(value) for p in _unknown_fields(v, type_name[5:-1],
-                                                                      f"{path}[{i}]")]
+        return [
+            p
+            for i, v in enumerate(value)
+            for p in _unknown_fields(v, type_name[5:-1], f"{path}[{i}]")
+        ]
     if type_name.startswith(("dict(", "Dict[")):
         return []
     model = getattr(kubernetes_client, type_name)

@@ -36,10 +36,14 @@ def _flag(command: list[str], name: str) -> str:
 
 
 def test_compose_runs_every_component_with_real_subcommands() -> None:
-    roles = {name: svc["command"][0] for name, svc in SERVICES.items()
-             if svc.get("image") == "cache-indexer:dev"}
+    roles = {
+        name: svc["command"][0]
+        for name, svc in SERVICES.items()
+        if svc.get("image") == "cache-indexer:dev"
+    }
     assert sorted(roles.values()) == sorted(
-        ["api", "discovery", "l1-ingest", "l3-poll", "simulate-vllm", "simulate-vllm"])
+        ["api", "discovery", "l1-ingest", "l3-poll", "simulate-vllm", "simulate-vllm"]
+    )
     assert all(role in SUBCOMMANDS for role in roles.values())
     assert {"redis", "mooncake-master"} <= set(SERVICES)
     assert SERVICES["api"]["ports"] == ["127.0.0.1:8080:28080"]
@@ -51,8 +55,11 @@ def test_compose_config_validates_and_matches_the_stack() -> None:
     assert parse_listen_addr(cfg.http.addr)[1] == 28080
     desired = desired_from(cfg.discovery.static)
     assert desired.instances is not None and desired.masters is not None
-    sims = {svc["networks"]["indexer"]["ipv4_address"]: svc["command"]
-            for svc in SERVICES.values() if svc.get("command", [""])[0] == "simulate-vllm"}
+    sims = {
+        svc["networks"]["indexer"]["ipv4_address"]: svc["command"]
+        for svc in SERVICES.values()
+        if svc.get("command", [""])[0] == "simulate-vllm"
+    }
     assert set(desired.instances) == set(sims)
     for ip, inst in desired.instances.items():
         command = sims[ip]
@@ -85,19 +92,31 @@ def test_compose_header_example_hits_what_the_simulators_keep_warm() -> None:
     engine steps and check that it holds every full block of the example's prompt."""
     example = _header_example()
     tokens, block_size = example["body"]["token_ids"], example["body"]["block_size"]
-    sims = {svc["networks"]["indexer"]["ipv4_address"]: svc["command"]
-            for svc in SERVICES.values() if svc.get("command", [""])[0] == "simulate-vllm"}
+    sims = {
+        svc["networks"]["indexer"]["ipv4_address"]: svc["command"]
+        for svc in SERVICES.values()
+        if svc.get("command", [""])[0] == "simulate-vllm"
+    }
     assert sorted(example["server_ip"]) == sorted(sims)
     assert len(tokens) >= 2 * block_size
     for command in sims.values():
         args = simulator_args(command[1:])
         assert args.block_size == block_size
-        sim = SimulatedVLLM("inproc://compose-example", block_size=args.block_size,
-                            num_blocks=args.num_blocks, hash_seed=args.hash_seed,
-                            vllm_version=args.vllm_version)
+        sim = SimulatedVLLM(
+            "inproc://compose-example",
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            hash_seed=args.hash_seed,
+            vllm_version=args.vllm_version,
+        )
         try:
-            workload = Workload(args.workload, prompts=args.prompts, prompt_len=args.prompt_len,
-                                block_size=args.block_size, seed=args.seed)
+            workload = Workload(
+                args.workload,
+                prompts=args.prompts,
+                prompt_len=args.prompt_len,
+                block_size=args.block_size,
+                seed=args.seed,
+            )
             for step in range(1, 11):
                 sim.serve(step_requests(args, workload, step, 1))
             assert sim.true_prefix_len(Request(tuple(tokens))) == len(tokens) // block_size
@@ -108,8 +127,9 @@ def test_compose_header_example_hits_what_the_simulators_keep_warm() -> None:
 def test_image_copies_every_installed_package() -> None:
     dockerfile = (ROOT / "Dockerfiles" / "Dockerfile").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]
-                ["include"]]
+    packages = [
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     for package in packages:
         assert f"COPY {package} ./{package}" in dockerfile

@@ -50,18 +50,27 @@ def test_port_falls_back_to_config_numbers_and_replay_port_by_name() -> None:
     vllm = DiscoveryVLLM(zmq_port=7000, replay_port_name="replay", data_parallel_size=4)
     inst = pods.vllm_instance(_pod(ports={"replay": 5558}), LABELS, vllm)
     assert inst is not None
-    assert (inst.zmq_endpoint, inst.replay_endpoint) == ("tcp://10.0.0.1:7000", "tcp://10.0.0.1:5558")
+    assert (inst.zmq_endpoint, inst.replay_endpoint) == (
+        "tcp://10.0.0.1:7000",
+        "tcp://10.0.0.1:5558",
+    )
     assert inst.dp_size == 4
     numeric = pods.vllm_instance(_pod(), LABELS, DiscoveryVLLM(replay_port=5999))
     assert numeric is not None and numeric.replay_endpoint == "tcp://10.0.0.1:5999"
 
 
-@pytest.mark.parametrize("change", [
-    {"ip": None}, {"ready": False}, {"phase": "Pending"}, {"phase": "Succeeded"},
-    {"labels": {"openfuyao.com/engine": "vllm", "openfuyao.com/pdRole": "decode"}},
-    {"labels": {"openfuyao.com/engine": "sglang", "openfuyao.com/pdRole": "prefill"}},
-    {"labels": {"openfuyao.com/pdRole": "prefill"}},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ip": None},
+        {"ready": False},
+        {"phase": "Pending"},
+        {"phase": "Succeeded"},
+        {"labels": {"openfuyao.com/engine": "vllm", "openfuyao.com/pdRole": "decode"}},
+        {"labels": {"openfuyao.com/engine": "sglang", "openfuyao.com/pdRole": "prefill"}},
+        {"labels": {"openfuyao.com/pdRole": "prefill"}},
+    ],
+)
 def test_pods_that_do_not_count(change: dict[str, Any]) -> None:
     assert pods.vllm_instance(_pod(**change), LABELS, VLLM) is None
 
@@ -85,21 +94,32 @@ def test_v1pod_objects_classify_like_their_json() -> None:
     assert isinstance(model, client.V1Pod)
     started = model.status.container_statuses[0].state.running.started_at
     assert started == datetime(2024, 1, 1, tzinfo=UTC)
-    assert pods.vllm_instance(pods.as_dict(model), LABELS, VLLM) == \
-        pods.vllm_instance(raw, LABELS, VLLM)
+    assert pods.vllm_instance(pods.as_dict(model), LABELS, VLLM) == pods.vllm_instance(
+        raw, LABELS, VLLM
+    )
 
 
 def test_infernex_and_kserve_profiles_by_config_alone() -> None:
-    infernex = Labels(engine_key="infernex.io/pdEngineGroup", engine_value="ns1.engine-a",
-                      pd_role_key="infernex.io/pdRole", pd_role_value=["prefill"])
-    assert pods.vllm_selector(infernex) == \
-        "infernex.io/pdEngineGroup=ns1.engine-a,infernex.io/pdRole in (prefill)"
+    infernex = Labels(
+        engine_key="infernex.io/pdEngineGroup",
+        engine_value="ns1.engine-a",
+        pd_role_key="infernex.io/pdRole",
+        pd_role_value=["prefill"],
+    )
+    assert (
+        pods.vllm_selector(infernex)
+        == "infernex.io/pdEngineGroup=ns1.engine-a,infernex.io/pdRole in (prefill)"
+    )
     hit = {"infernex.io/pdEngineGroup": "ns1.engine-a", "infernex.io/pdRole": "prefill"}
     assert pods.vllm_instance(_pod(labels=hit), infernex, VLLM) is not None
     miss = {**hit, "infernex.io/pdRole": "decode"}
     assert pods.vllm_instance(_pod(labels=miss), infernex, VLLM) is None
-    kserve = Labels(engine_key="app.kubernetes.io/name", engine_value="llama",
-                    pd_role_key="app.kubernetes.io/component", pd_role_value=["predictor"])
+    kserve = Labels(
+        engine_key="app.kubernetes.io/name",
+        engine_value="llama",
+        pd_role_key="app.kubernetes.io/component",
+        pd_role_value=["predictor"],
+    )
     ok = {"app.kubernetes.io/name": "llama", "app.kubernetes.io/component": "predictor"}
     inst = pods.vllm_instance(_pod(labels=ok), kserve, VLLM)
     assert inst is not None and inst.role == "predictor"
@@ -143,42 +163,69 @@ def test_ipv6_endpoints_are_bracketed() -> None:
 
 def test_static_lists_become_the_desired_registry() -> None:
     static = Static(
-        vllm=[StaticVLLM(ip="127.0.0.1", zmq_endpoint="tcp://127.0.0.1:5557", name="a",
-                         data_parallel_size=2, role="prefill"),
-              StaticVLLM(zmq_endpoint="tcp://127.0.0.2:5557", replay_endpoint="tcp://127.0.0.2:5558")],
-        mooncake_masters=[StaticMaster(url="http://127.0.0.1:9003", name="mc")])
+        vllm=[
+            StaticVLLM(
+                ip="127.0.0.1",
+                zmq_endpoint="tcp://127.0.0.1:5557",
+                name="a",
+                data_parallel_size=2,
+                role="prefill",
+            ),
+            StaticVLLM(zmq_endpoint="tcp://127.0.0.2:5557", replay_endpoint="tcp://127.0.0.2:5558"),
+        ],
+        mooncake_masters=[StaticMaster(url="http://127.0.0.1:9003", name="mc")],
+    )
     desired = desired_from(static)
     assert desired.instances is not None and desired.masters is not None
     a, b = desired.instances["127.0.0.1"], desired.instances["127.0.0.2"]
     assert (a.pod, a.dp_size, a.role, a.restarts) == ("a", 2, "prefill", "0")
     assert a.uid == static_uid("127.0.0.1", "tcp://127.0.0.1:5557", "")
     assert b.replay_endpoint == "tcp://127.0.0.2:5558" and b.uid != a.uid
-    assert json.loads(desired.masters["http://127.0.0.1:9003"]) == \
-        {"pod": "mc", "ip": "127.0.0.1", "rpc": 0}
+    assert json.loads(desired.masters["http://127.0.0.1:9003"]) == {
+        "pod": "mc",
+        "ip": "127.0.0.1",
+        "rpc": 0,
+    }
 
 
 def test_static_problems_are_all_reported() -> None:
-    static = Static(vllm=[StaticVLLM(ip="127.0.0.1", zmq_endpoint="127.0.0.1:5557"),
-                          StaticVLLM(ip="127.0.0.1", zmq_endpoint="tcp://127.0.0.1:1",
-                                     data_parallel_size=0)],
-                    mooncake_masters=[StaticMaster(url="127.0.0.1:9003")])
+    static = Static(
+        vllm=[
+            StaticVLLM(ip="127.0.0.1", zmq_endpoint="127.0.0.1:5557"),
+            StaticVLLM(ip="127.0.0.1", zmq_endpoint="tcp://127.0.0.1:1", data_parallel_size=0),
+        ],
+        mooncake_masters=[StaticMaster(url="127.0.0.1:9003")],
+    )
     with pytest.raises(ConfigError) as err:
         desired_from(static)
     text = str(err.value)
-    for part in ("vllm[0].zmqEndpoint", "vllm[1].ip", "vllm[1].dataParallelSize",
-                 "mooncakeMasters[0].url"):
+    for part in (
+        "vllm[0].zmqEndpoint",
+        "vllm[1].ip",
+        "vllm[1].dataParallelSize",
+        "mooncakeMasters[0].url",
+    ):
         assert part in text
     assert desired_from(Config().discovery.static).instances == {}
 
 
-@pytest.mark.parametrize("selector,labels,expected", [
-    ("a=1", {"a": "1"}, True), ("a==1", {"a": "2"}, False), ("a!=1", {}, True),
-    ("a in (x, y),b", {"a": "y", "b": ""}, True), ("a in (x,y)", {"a": "z"}, False),
-    ("a notin (x,y)", {"a": "z"}, True), ("!a", {"a": "1"}, False), ("a", {}, False),
-    ("k.io/n=v,k.io/c in (p)", {"k.io/n": "v", "k.io/c": "p"}, True),
-])
-def test_fake_server_selector_parsing(selector: str, labels: dict[str, str],
-                                      expected: bool) -> None:
+@pytest.mark.parametrize(
+    "selector,labels,expected",
+    [
+        ("a=1", {"a": "1"}, True),
+        ("a==1", {"a": "2"}, False),
+        ("a!=1", {}, True),
+        ("a in (x, y),b", {"a": "y", "b": ""}, True),
+        ("a in (x,y)", {"a": "z"}, False),
+        ("a notin (x,y)", {"a": "z"}, True),
+        ("!a", {"a": "1"}, False),
+        ("a", {}, False),
+        ("k.io/n=v,k.io/c in (p)", {"k.io/n": "v", "k.io/c": "p"}, True),
+    ],
+)
+def test_fake_server_selector_parsing(
+    selector: str, labels: dict[str, str], expected: bool
+) -> None:
     assert parse_selector(selector)(labels) is expected
 
 
@@ -188,6 +235,9 @@ def test_the_served_model_is_read_from_the_configured_label_and_static_entries()
     with_key = Labels(model_key="example.com/model")
     assert pods.vllm_instance(labelled, with_key, VLLM).model == "Qwen3.5-4B"  # type: ignore[union-attr]
     assert pods.label_problems(Labels(model_key="bad key!")) != []
-    desired = desired_from(Static(vllm=[StaticVLLM(ip="10.0.0.3", zmq_endpoint="tcp://10.0.0.3:5557",
-                                                   model="gemma-3")]))
+    desired = desired_from(
+        Static(
+            vllm=[StaticVLLM(ip="10.0.0.3", zmq_endpoint="tcp://10.0.0.3:5557", model="gemma-3")]
+        )
+    )
     assert desired.instances is not None and desired.instances["10.0.0.3"].model == "gemma-3"

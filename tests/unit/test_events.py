@@ -46,24 +46,27 @@ def test_golden_payload_decodes_to_the_stated_events(case: GoldenPayload) -> Non
 def test_encode_batch_reproduces_the_golden_payload(case: GoldenPayload) -> None:
     ts = msgpack.unpackb(case.payload)[0]
     events = [expected_event(e) for e in case.events]
-    ours = encode_batch(events, ts=ts + 1, data_parallel_rank=case.rank,
-                        vllm_version=VERSIONS[case.version])
+    ours = encode_batch(
+        events, ts=ts + 1, data_parallel_rank=case.rank, vllm_version=VERSIONS[case.version]
+    )
     theirs_plain = msgpack.unpackb(case.payload, strict_map_key=False)
     ours_plain = msgpack.unpackb(ours, strict_map_key=False)
     assert ours_plain[1:] == theirs_plain[1:]
     for mine, vllms in zip(ours_plain[1], theirs_plain[1], strict=True):
         if isinstance(vllms, dict):  # key order: "type" first, then declaration order
             assert list(mine) == list(vllms)
-    same_ts = encode_batch(events, ts=ts, data_parallel_rank=case.rank,
-                           vllm_version=VERSIONS[case.version])
+    same_ts = encode_batch(
+        events, ts=ts, data_parallel_rank=case.rank, vllm_version=VERSIONS[case.version]
+    )
     assert same_ts == case.payload  # msgspec's choices reproduced byte for byte
 
 
 def test_bytes_mode_hashes_map_to_the_int_mode_hashes() -> None:
     for version in VERSIONS:
         v = golden()["versions"][version]
-        for ints, digests in zip(v["events_int_hashes"]["steps"], v["events_bytes_hashes"]["steps"],
-                                 strict=True):
+        for ints, digests in zip(
+            v["events_int_hashes"]["steps"], v["events_bytes_hashes"]["steps"], strict=True
+        ):
             a = decode_batch(bytes.fromhex(ints["payload_hex"])).events
             b = decode_batch(bytes.fromhex(digests["payload_hex"])).events
             for x, y in zip(a, b, strict=True):
@@ -73,8 +76,9 @@ def test_bytes_mode_hashes_map_to_the_int_mode_hashes() -> None:
                     assert all(isinstance(h, bytes) and len(h) == 32 for h in y.block_hashes)
 
 
-@pytest.mark.parametrize("name,seq,payload,plain", zmq_payloads(),
-                         ids=[f"{n}-{s}" for n, s, _, _ in zmq_payloads()])
+@pytest.mark.parametrize(
+    "name,seq,payload,plain", zmq_payloads(), ids=[f"{n}-{s}" for n, s, _, _ in zmq_payloads()]
+)
 def test_zmq_capture_live_frames(name: str, seq: int, payload: bytes, plain: list[Any]) -> None:
     batch = decode_batch(payload)
     assert (batch.ts, batch.data_parallel_rank) == (plain[0], plain[2])
@@ -82,7 +86,8 @@ def test_zmq_capture_live_frames(name: str, seq: int, payload: bytes, plain: lis
     assert [type(e).__name__ for e in batch.events] == [e["type"] for e in plain[1]]
     for event, raw in zip(batch.events, plain[1], strict=True):
         assert {k: getattr(event, k) for k in raw if k != "type"} == {
-            k: v for k, v in raw.items() if k != "type"}
+            k: v for k, v in raw.items() if k != "type"
+        }
 
 
 def test_zmq_capture_replayed_payloads_equal_the_live_ones() -> None:
@@ -101,18 +106,39 @@ def test_dataclasses_declare_the_wire_field_order() -> None:
 # -- per-version layout ---------------------------------------------------------------
 
 FULL_STORED = BlockStored(
-    block_hashes=[2**64 - 1, 7], parent_block_hash=2**63, token_ids=[1, 2, 3, 4], block_size=2,
-    lora_id=3, medium="GPU", lora_name="sql-lora", extra_keys=[["sql-lora", "salt"], None],
-    group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=128,
-    locality="LOCAL", ownership="owner", session_id="sess-1", lookahead_token_ids=[[5, 6]],
+    block_hashes=[2**64 - 1, 7],
+    parent_block_hash=2**63,
+    token_ids=[1, 2, 3, 4],
+    block_size=2,
+    lora_id=3,
+    medium="GPU",
+    lora_name="sql-lora",
+    extra_keys=[["sql-lora", "salt"], None],
+    group_idx=1,
+    kv_cache_spec_kind="sliding_window",
+    kv_cache_spec_sliding_window=128,
+    locality="LOCAL",
+    ownership="owner",
+    session_id="sess-1",
+    lookahead_token_ids=[[5, 6]],
 )
-FULL_REMOVED = BlockRemoved(block_hashes=[9], medium="CPU", group_idx=2, locality="REMOTE",
-                            ownership="shared")
+FULL_REMOVED = BlockRemoved(
+    block_hashes=[9], medium="CPU", group_idx=2, locality="REMOTE", ownership="shared"
+)
 # Spec §2.3: number of declared fields (BlockStored, BlockRemoved) per release.
 FIELD_COUNTS = {
-    (0, 10, 2): (6, 2), (0, 14, 0): (7, 2), (0, 17, 0): (8, 2), (0, 20, 0): (9, 3),
-    (0, 22, 0): (11, 3), (0, 23, 0): (11, 3), (0, 24, 0): (11, 3), (0, 26, 0): (12, 4),
-    (0, 29, 0): (13, 5), (0, 30, 0): (14, 5), (0, 33, 0): (15, 5), (0, 34, 0): (15, 5),
+    (0, 10, 2): (6, 2),
+    (0, 14, 0): (7, 2),
+    (0, 17, 0): (8, 2),
+    (0, 20, 0): (9, 3),
+    (0, 22, 0): (11, 3),
+    (0, 23, 0): (11, 3),
+    (0, 24, 0): (11, 3),
+    (0, 26, 0): (12, 4),
+    (0, 29, 0): (13, 5),
+    (0, 30, 0): (14, 5),
+    (0, 33, 0): (15, 5),
+    (0, 34, 0): (15, 5),
 }
 
 
@@ -132,16 +158,22 @@ def test_each_release_field_set_round_trips(version: tuple[int, int, int]) -> No
     assert len(raw) == 3 and raw[0] == 1.5 and raw[2] == 3
     stored, removed, cleared = raw[1]
     if version < (0, 24, 0):
-        assert (len(stored), len(removed), cleared) == (1 + n_stored, 1 + n_removed,
-                                                        ["AllBlocksCleared"])
+        assert (len(stored), len(removed), cleared) == (
+            1 + n_stored,
+            1 + n_removed,
+            ["AllBlocksCleared"],
+        )
     else:  # every field is set, so every declared key is written
         names = [f.name for f in dataclasses.fields(BlockStored)]
         assert list(stored) == ["type", *names[:n_stored]]
         assert len(removed) == 1 + n_removed and cleared == {"type": "AllBlocksCleared"}
     batch = decode_batch(payload)
     assert batch.form == ("array" if version < (0, 24, 0) else "map")
-    assert batch.events == [_truncated(FULL_STORED, n_stored), _truncated(FULL_REMOVED, n_removed),
-                            AllBlocksCleared()]
+    assert batch.events == [
+        _truncated(FULL_STORED, n_stored),
+        _truncated(FULL_REMOVED, n_removed),
+        AllBlocksCleared(),
+    ]
 
 
 @pytest.mark.parametrize("version", [(0, 24, 0), (0, 30, 0), (0, 33, 0), (0, 34, 0)])
@@ -151,8 +183,18 @@ def test_map_form_omits_none_defaults_and_sizes_the_header_like_msgspec(
     sparse = BlockStored([1], None, [1, 2], 2, kv_cache_spec_kind="full_attention", group_idx=0)
     payload = encode_batch([sparse], ts=0.0, data_parallel_rank=0, vllm_version=version)
     (event,) = msgpack.unpackb(payload)[1]
-    assert list(event) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                           "lora_id", "medium", "lora_name", "group_idx", "kv_cache_spec_kind"]
+    assert list(event) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "group_idx",
+        "kv_cache_spec_kind",
+    ]
     assert event["parent_block_hash"] is None and event["medium"] is None
     header = payload[11:14]  # after 93, cb + 8 bytes of ts, 91
     assert header == (b"\xde\x00\x0a" if version >= (0, 33, 0) else b"\x8a\xa4t")
@@ -160,15 +202,30 @@ def test_map_form_omits_none_defaults_and_sizes_the_header_like_msgspec(
 
 
 def test_array_form_writes_nil_for_every_unset_field() -> None:
-    payload = encode_batch([BlockRemoved([1])], ts=0.0, data_parallel_rank=None,
-                           vllm_version=(0, 23, 0))
+    payload = encode_batch(
+        [BlockRemoved([1])], ts=0.0, data_parallel_rank=None, vllm_version=(0, 23, 0)
+    )
     assert msgpack.unpackb(payload) == [0.0, [["BlockRemoved", [1], None, None]], None]
 
 
 # -- hashes -------------------------------------------------------------------------------
 
-UINT_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, 2**63,
-              2**64 - 2, 2**64 - 1]
+UINT_EDGES = [
+    0,
+    1,
+    127,
+    128,
+    255,
+    256,
+    65535,
+    65536,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64 - 2,
+    2**64 - 1,
+]
 
 
 @pytest.mark.parametrize("version", [(0, 23, 0), (0, 28, 0)])

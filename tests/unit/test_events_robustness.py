@@ -44,14 +44,32 @@ def test_tolerated_variations() -> None:
     trailing = [*GOOD_ARRAY, None, None, None, None, None, None, None, None, None, "future", 1]
     batch = decode_batch(_batch(unknown_keys, trailing, extra=(b"p" * 16, "heartbeat")))
     assert batch.events == GOOD and batch.skipped == [] and batch.data_parallel_rank == 0
-    minimal = decode_batch(bytes(msgpack.packb([3, [["BlockStored", [1], None, [], 0],
-                                                     ["BlockRemoved", [b"\x01" * 16]],
-                                                     {"type": "BlockStored", "block_hashes": [],
-                                                      "token_ids": [], "block_size": 0}]])))
+    minimal = decode_batch(
+        bytes(
+            msgpack.packb(
+                [
+                    3,
+                    [
+                        ["BlockStored", [1], None, [], 0],
+                        ["BlockRemoved", [b"\x01" * 16]],
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [],
+                            "token_ids": [],
+                            "block_size": 0,
+                        },
+                    ],
+                ]
+            )
+        )
+    )
     assert minimal.ts == 3.0 and isinstance(minimal.ts, float)
     assert minimal.data_parallel_rank is None and minimal.form == "array"
-    assert minimal.events == [BlockStored([1], None, [], 0), BlockRemoved([b"\x01" * 16]),
-                              BlockStored([], None, [], 0)]
+    assert minimal.events == [
+        BlockStored([1], None, [], 0),
+        BlockRemoved([b"\x01" * 16]),
+        BlockStored([], None, [], 0),
+    ]
     for payload in (bytearray(MIXED), memoryview(MIXED)):
         assert len(decode_batch(payload).events) == 3  # type: ignore[arg-type]
     assert decode_batch(_batch()).form == "empty"
@@ -65,18 +83,33 @@ def test_map16_headers_and_deep_extra_keys_are_accepted() -> None:
     payload = b"\x93\xcb" + b"\x00" * 8 + b"\xdc\x00\x01" + event + b"\xc0"
     assert decode_batch(payload).events == [BlockStored([1], None, [1], 1)]
     deep = b"\x91" * 1000 + b"\x01"  # deeper than Python's recursion limit
-    event = (b"\x85\xa4type\xabBlockStored" + msgpack.packb("block_hashes") + b"\x91\x01"
-             + msgpack.packb("token_ids") + b"\x90" + msgpack.packb("block_size") + b"\x00"
-             + msgpack.packb("extra_keys") + b"\x91" + deep)
+    event = (
+        b"\x85\xa4type\xabBlockStored"
+        + msgpack.packb("block_hashes")
+        + b"\x91\x01"
+        + msgpack.packb("token_ids")
+        + b"\x90"
+        + msgpack.packb("block_size")
+        + b"\x00"
+        + msgpack.packb("extra_keys")
+        + b"\x91"
+        + deep
+    )
     (stored,) = decode_batch(b"\x92\xcb" + b"\x00" * 8 + b"\x91" + event).events
     assert isinstance(stored, BlockStored) and stored.extra_keys is not None
 
 
 MALFORMED = [
-    (5, "not_an_event"), ("BlockStored", "not_an_event"), (None, "not_an_event"),
-    (b"\x00", "not_an_event"), ([], "unknown_type"), ([1, [1]], "unknown_type"),
-    (["BlockMoved", [1]], "unknown_type"), ({"block_hashes": [1]}, "unknown_type"),
-    ({"type": ["BlockStored"]}, "unknown_type"), ({"type": "blockstored"}, "unknown_type"),
+    (5, "not_an_event"),
+    ("BlockStored", "not_an_event"),
+    (None, "not_an_event"),
+    (b"\x00", "not_an_event"),
+    ([], "unknown_type"),
+    ([1, [1]], "unknown_type"),
+    (["BlockMoved", [1]], "unknown_type"),
+    ({"block_hashes": [1]}, "unknown_type"),
+    ({"type": ["BlockStored"]}, "unknown_type"),
+    ({"type": "blockstored"}, "unknown_type"),
     (["BlockStored", 1, None, [1], 16], "malformed"),
     (["BlockStored", [1], None, [1, "x"], 16], "malformed"),
     (["BlockStored", [1], None, [True], 16], "malformed"),
@@ -97,15 +130,39 @@ MALFORMED = [
     (["BlockStored", [1], None, [1], 16, None, None, None, [[{"a": 1}]]], "malformed"),
     (["BlockStored", [1], None, [1], 16, None, None, None, None, 1.5], "malformed"),
     (["BlockStored", [1], None, [1], 16, None, None, None, None, None, None, False], "malformed"),
-    ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1,
-      "lookahead_token_ids": [[1, "a"]]}, "malformed"),
-    ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1,
-      "session_id": 7}, "malformed"),
+    (
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "token_ids": [1],
+            "block_size": 1,
+            "lookahead_token_ids": [[1, "a"]],
+        },
+        "malformed",
+    ),
+    (
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "token_ids": [1],
+            "block_size": 1,
+            "session_id": 7,
+        },
+        "malformed",
+    ),
     ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1]}, "malformed"),
-    ({"type": "BlockStored", "block_hashes": [1], "token_ids": msgpack.Timestamp(1, 0),
-      "block_size": 1}, "malformed"),
+    (
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "token_ids": msgpack.Timestamp(1, 0),
+            "block_size": 1,
+        },
+        "malformed",
+    ),
     (["BlockStored", [1], None, [1]], "malformed"),
-    (["BlockRemoved"], "malformed"), ({"type": "BlockRemoved"}, "malformed"),
+    (["BlockRemoved"], "malformed"),
+    ({"type": "BlockRemoved"}, "malformed"),
     ({"type": "BlockRemoved", "block_hashes": [msgpack.ExtType(1, b"x")]}, "malformed"),
     ({"type": "BlockRemoved", "block_hashes": [1], "group_idx": "0"}, "malformed"),
     ({"type": "BlockRemoved", "block_hashes": [1], "ownership": b"me"}, "malformed"),
@@ -121,12 +178,25 @@ def test_a_bad_event_is_skipped_and_its_neighbours_kept(bad: Any, reason: str) -
 
 
 GARBAGE = [
-    b"", b"\xc1", msgpack.packb(5), msgpack.packb([]), msgpack.packb([1.0]),
-    msgpack.packb({"ts": 1.0, "events": []}), msgpack.packb("text"), msgpack.packb(None),
-    msgpack.packb(["1.0", [], 0]), msgpack.packb([True, [], 0]), msgpack.packb([None, [], 0]),
-    msgpack.packb([1.0, {}, 0]), msgpack.packb([1.0, "events", 0]), msgpack.packb([1.0, None]),
-    msgpack.packb([1.0, [], "0"]), msgpack.packb([1.0, [], -1]), msgpack.packb([1.0, [], True]),
-    msgpack.packb([1.0, [], 0.0]), msgpack.packb([msgpack.Timestamp(0, 0), [], 0]),
+    b"",
+    b"\xc1",
+    msgpack.packb(5),
+    msgpack.packb([]),
+    msgpack.packb([1.0]),
+    msgpack.packb({"ts": 1.0, "events": []}),
+    msgpack.packb("text"),
+    msgpack.packb(None),
+    msgpack.packb(["1.0", [], 0]),
+    msgpack.packb([True, [], 0]),
+    msgpack.packb([None, [], 0]),
+    msgpack.packb([1.0, {}, 0]),
+    msgpack.packb([1.0, "events", 0]),
+    msgpack.packb([1.0, None]),
+    msgpack.packb([1.0, [], "0"]),
+    msgpack.packb([1.0, [], -1]),
+    msgpack.packb([1.0, [], True]),
+    msgpack.packb([1.0, [], 0.0]),
+    msgpack.packb([msgpack.Timestamp(0, 0), [], 0]),
     b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa2\xff\xfe\x00",  # invalid UTF-8
     b"\x91" * 5000,  # nested too deep for msgpack
     b"\xdd\xff\xff\xff\xff",  # array32 header claiming 4G elements
@@ -155,8 +225,9 @@ def test_non_bytes_payload_is_not_a_batch() -> None:
 
 def _assert_trustworthy(batch: EventBatch, payload: bytes) -> None:
     """Everything downstream relies on: exact types, consistent counts and indexes."""
-    raw_events = msgpack.unpackb(payload, strict_map_key=False,
-                                 object_pairs_hook=lambda pairs: dict(pairs[:0]))[1]
+    raw_events = msgpack.unpackb(
+        payload, strict_map_key=False, object_pairs_hook=lambda pairs: dict(pairs[:0])
+    )[1]
     assert len(batch.events) + len(batch.skipped) == len(raw_events)
     assert type(batch.ts) is float and batch.form in ("array", "map", "empty")
     assert batch.data_parallel_rank is None or type(batch.data_parallel_rank) is int
@@ -179,9 +250,30 @@ def _assert_trustworthy(batch: EventBatch, payload: bytes) -> None:
             assert look is None or all(type(t) is int for ts in look for t in ts)
 
 
-POOL: list[Any] = [None, -1, 0, 1, 2**64 - 1, -(2**63), 1.5, True, "x", "", b"", b"\x00" * 32,
-                   b"\x00" * 5, [], [1], [1, "a"], [[1]], [None], {}, {"type": "BlockStored"},
-                   msgpack.ExtType(3, b"x"), msgpack.Timestamp(0, 0)]
+POOL: list[Any] = [
+    None,
+    -1,
+    0,
+    1,
+    2**64 - 1,
+    -(2**63),
+    1.5,
+    True,
+    "x",
+    "",
+    b"",
+    b"\x00" * 32,
+    b"\x00" * 5,
+    [],
+    [1],
+    [1, "a"],
+    [[1]],
+    [None],
+    {},
+    {"type": "BlockStored"},
+    msgpack.ExtType(3, b"x"),
+    msgpack.Timestamp(0, 0),
+]
 
 
 def _pick(rng: random.Random) -> Any:
@@ -266,9 +358,20 @@ def test_random_bytes_never_raise_anything_but_decode_error() -> None:
             _assert_trustworthy(decode_batch(payload), payload)
 
 
-TEMPLATES: list[Any] = [GOOD_MAP, GOOD_ARRAY, ["AllBlocksCleared"], {"type": "AllBlocksCleared"},
-                        {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "token_ids": [1],
-                         "block_size": 1, "parent_block_hash": None, "lora_id": None}]
+TEMPLATES: list[Any] = [
+    GOOD_MAP,
+    GOOD_ARRAY,
+    ["AllBlocksCleared"],
+    {"type": "AllBlocksCleared"},
+    {
+        "type": "BlockStored",
+        "block_hashes": [b"\x01" * 32],
+        "token_ids": [1],
+        "block_size": 1,
+        "parent_block_hash": None,
+        "lora_id": None,
+    },
+]
 
 
 def _random_event(rng: random.Random) -> Any:
@@ -289,8 +392,10 @@ def test_random_batches_that_decode_are_trustworthy() -> None:
     rng = random.Random(11)
     outcomes = {"ok": 0, "skips": 0, "not_a_batch": 0}
     for _ in range(3000):
-        batch_raw: list[Any] = [rng.choice([1.5, 0, 2**40, 1.0]),
-                                [_random_event(rng) for _ in range(rng.randrange(6))]]
+        batch_raw: list[Any] = [
+            rng.choice([1.5, 0, 2**40, 1.0]),
+            [_random_event(rng) for _ in range(rng.randrange(6))],
+        ]
         if rng.random() < 0.8:
             batch_raw.append(rng.choice([0, 1, 7, None]))
         payload = bytes(msgpack.packb(batch_raw))

@@ -60,12 +60,21 @@ from common.hit_rule import (
 )
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "hybrid"
-RELEASES = ("0.22.0", "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.30.0",
-            "0.32.0", "0.34.0")
+RELEASES = (
+    "0.22.0",
+    "0.23.0",
+    "0.24.0",
+    "0.25.0",
+    "0.26.0",
+    "0.27.0",
+    "0.28.0",
+    "0.30.0",
+    "0.32.0",
+    "0.34.0",
+)
 FILES = {rel: json.loads((DATA / f"vectors_{rel}.json").read_text()) for rel in RELEASES}
 CASES = [(rel, case) for rel, data in FILES.items() for case in data["cases"]]
-PROPERTY = settings(max_examples=300, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _version(release: str) -> tuple[int, ...]:
@@ -73,8 +82,10 @@ def _version(release: str) -> tuple[int, ...]:
 
 
 def _specs(case: dict[str, Any]) -> list[GroupSpec]:
-    return [GroupSpec(g["kind"], g["block_size"], g["sliding_window"], g["chunk"])
-            for g in sorted(case["groups"], key=lambda g: g["group_idx"])]
+    return [
+        GroupSpec(g["kind"], g["block_size"], g["sliding_window"], g["chunk"])
+        for g in sorted(case["groups"], key=lambda g: g["group_idx"])
+    ]
 
 
 def _flags(case: dict[str, Any]) -> list[list[int]]:
@@ -97,19 +108,20 @@ def _masked(rule: Any, num_tokens: int, flags: list[list[int]]) -> list[list[int
 
 # --- the reference: spec §1.7 transcribed index by index ------------------------------------
 
+
 class _Reference:
     """Spec §1.7 for groups whose kinds are all known, one index at a time."""
 
-    def __init__(self, specs: list[GroupSpec], h: int, partial: bool, num_tokens: int,
-                 flags: list[list[int]]) -> None:
+    def __init__(
+        self, specs: list[GroupSpec], h: int, partial: bool, num_tokens: int, flags: list[list[int]]
+    ) -> None:
         self.specs, self.h, self.flags, self.n = specs, h, flags, num_tokens
         self.m = num_tokens // h
         live = [i for i, g in enumerate(specs) if g.kind not in NOT_CACHED_KINDS]
         self.classes: dict[tuple[Any, ...], list[int]] = {}
         for i in live:
             g = specs[i]
-            self.classes.setdefault((g.kind, g.block_size, g.sliding_window, g.chunk),
-                                    []).append(i)
+            self.classes.setdefault((g.kind, g.block_size, g.sliding_window, g.chunk), []).append(i)
         sizes = [specs[i].block_size for i in live]
         self.a = h if partial else math.lcm(*sizes) if sizes else h
 
@@ -148,10 +160,18 @@ class _Reference:
     def mamba(self, c: list[int], bound: int, b: int, k: int) -> int:
         a = self.a
         if a < b:
-            return max([(f + 1) * a for f in range(min(bound // a, self.m))
-                        if self.present(c, f)], default=0)
-        return max([(i + 1) * b for i in range(bound // b)
-                    if self.present(c, (i + 1) * k - 1) and ((i + 1) * b) % a == 0], default=0)
+            return max(
+                [(f + 1) * a for f in range(min(bound // a, self.m)) if self.present(c, f)],
+                default=0,
+            )
+        return max(
+            [
+                (i + 1) * b
+                for i in range(bound // b)
+                if self.present(c, (i + 1) * k - 1) and ((i + 1) * b) % a == 0
+            ],
+            default=0,
+        )
 
     def chunked(self, c: list[int], bound: int, b: int, k: int) -> int:
         chunk = self.specs[c[0]].chunk
@@ -164,15 +184,25 @@ class _Reference:
     def finder(self, c: list[int], bound: int) -> int:
         g = self.specs[c[0]]
         kind = g.kind or ""
-        family = "fa" if kind in FULL_ATTENTION_KINDS else \
-            "swa" if kind in SLIDING_WINDOW_KINDS else kind
-        run = {"fa": self.fa, "swa": self.swa, MAMBA_KIND: self.mamba,
-               CHUNKED_LOCAL_KIND: self.chunked}[family]
+        family = (
+            "fa"
+            if kind in FULL_ATTENTION_KINDS
+            else "swa"
+            if kind in SLIDING_WINDOW_KINDS
+            else kind
+        )
+        run = {
+            "fa": self.fa,
+            "swa": self.swa,
+            MAMBA_KIND: self.mamba,
+            CHUNKED_LOCAL_KIND: self.chunked,
+        }[family]
         return run(c, bound, g.block_size, g.block_size // self.h)
 
     def hit(self) -> int:
-        order = sorted(self.classes.values(),
-                       key=lambda c: self.specs[c[0]].kind not in FULL_ATTENTION_KINDS)
+        order = sorted(
+            self.classes.values(), key=lambda c: self.specs[c[0]].kind not in FULL_ATTENTION_KINDS
+        )
         if self.n <= 1 or not order:
             return 0
         if len(order) == 1:
@@ -183,8 +213,11 @@ class _Reference:
         while True:
             cur = hit
             for n, c in enumerate(order):
-                cur = min(cur, fa.setdefault(n, self.finder(c, cur))) if is_fa[n] \
+                cur = (
+                    min(cur, fa.setdefault(n, self.finder(c, cur)))
+                    if is_fa[n]
                     else self.finder(c, cur)
+                )
             if cur >= hit:
                 return hit
             hit = cur
@@ -192,15 +225,16 @@ class _Reference:
                 return hit
 
 
-def _reference_hit(specs: list[GroupSpec], h: int, partial: bool, num_tokens: int,
-                   flags: list[list[int]]) -> int:
+def _reference_hit(
+    specs: list[GroupSpec], h: int, partial: bool, num_tokens: int, flags: list[list[int]]
+) -> int:
     return _Reference(specs, h, partial, num_tokens, flags).hit()
 
 
 # --- golden vectors -----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("release", "case"), CASES,
-                         ids=[f"{rel}:{c['name']}" for rel, c in CASES])
+
+@pytest.mark.parametrize(("release", "case"), CASES, ids=[f"{rel}:{c['name']}" for rel, c in CASES])
 def test_golden_case(release: str, case: dict[str, Any]) -> None:
     specs, h, n = _specs(case), case["hash_block_size"], case["num_tokens"]
     rule = build_rule(specs, h, vllm_version=_version(release))
@@ -216,8 +250,18 @@ def test_golden_case(release: str, case: dict[str, Any]) -> None:
 
 def test_golden_files_are_all_there() -> None:
     counts = {rel: len(data["cases"]) for rel, data in FILES.items()}
-    assert counts == {"0.22.0": 36, "0.23.0": 36, "0.24.0": 36, "0.25.0": 36, "0.26.0": 40,
-                      "0.27.0": 40, "0.28.0": 41, "0.30.0": 41, "0.32.0": 41, "0.34.0": 41}
+    assert counts == {
+        "0.22.0": 36,
+        "0.23.0": 36,
+        "0.24.0": 36,
+        "0.25.0": 36,
+        "0.26.0": 40,
+        "0.27.0": 40,
+        "0.28.0": 41,
+        "0.30.0": 41,
+        "0.32.0": 41,
+        "0.34.0": 41,
+    }
     assert len(CASES) == 388
     answers: dict[str, int] = {}
     for _, case in CASES:  # the README's claim: one name, one answer, in every release
@@ -225,8 +269,11 @@ def test_golden_files_are_all_there() -> None:
     assert {FILES[r]["vllm"] for r in RELEASES} == set(RELEASES)
 
 
-MAMBA_SWA_FA = [GroupSpec("mamba", 64), GroupSpec("sliding_window", 32, 96),
-                GroupSpec("full_attention", 16)]
+MAMBA_SWA_FA = [
+    GroupSpec("mamba", 64),
+    GroupSpec("sliding_window", 32, 96),
+    GroupSpec("full_attention", 16),
+]
 
 
 @pytest.mark.parametrize("release", ["0.26.0", "0.27.0"])
@@ -253,6 +300,7 @@ def test_excluded_mamba_swa_shape_raises_where_vllm_asserts(release: str) -> Non
 
 # --- shapes for the properties: (specs, h) ------------------------------------------------
 
+
 def _g(kind: str | None, b: int, w: int | None = None, c: int | None = None) -> GroupSpec:
     return GroupSpec(kind, b, w, c)
 
@@ -264,27 +312,54 @@ SHAPES: dict[str, tuple[list[GroupSpec], int]] = {
     "qwen35": ([_g("mamba", 528)] * 3 + [_g("full_attention", 528)], 528),
     "qwen35_pmu16": ([_g("mamba", 528)] * 3 + [_g("full_attention", 528)], 16),
     "kimi_pmu128": ([_g("mamba", 768)] * 3 + [_g("mla_attention", 768)], 128),
-    "dsv4": ([_g("mla_attention", 256), _g("sliding_window_mla", 64, 128),
-              _g("sliding_window_mla", 64, 128), _g("sliding_window_mla", 4, 8),
-              _g("sliding_window_mla", 8, 256)], 4),
-    "fa_2swa": ([_g("full_attention", 16), _g("sliding_window", 16, 64),
-                 _g("sliding_window", 16, 256)], 16),
+    "dsv4": (
+        [
+            _g("mla_attention", 256),
+            _g("sliding_window_mla", 64, 128),
+            _g("sliding_window_mla", 64, 128),
+            _g("sliding_window_mla", 4, 8),
+            _g("sliding_window_mla", 8, 256),
+        ],
+        4,
+    ),
+    "fa_2swa": (
+        [_g("full_attention", 16), _g("sliding_window", 16, 64), _g("sliding_window", 16, 256)],
+        16,
+    ),
     "llama4": ([_g(CHUNKED_LOCAL_KIND, 16, c=256)] * 3 + [_g("full_attention", 16)], 16),
     "mamba_swa_fa": (MAMBA_SWA_FA, 16),
     "swa_only": ([_g("sliding_window", 16, 64)], 16),
     # small blocks, so short prompts cross many blocks and every branch is reached
     "mini_partial": ([_g("mamba", 8), _g("full_attention", 8), _g("sliding_window", 2, 5)], 2),
-    "mini_two_fa": ([_g("full_attention", 4), _g("mla_attention", 8),
-                     _g("sliding_window", 4, 7), _g("mamba", 8)], 4),
-    "mini_sparse_swa": ([_g("full_attention", 24), _g("sliding_window", 2, 3),
-                         _g("sliding_window", 4, 13), _g(CHUNKED_LOCAL_KIND, 24, c=40)], 2),
+    "mini_two_fa": (
+        [
+            _g("full_attention", 4),
+            _g("mla_attention", 8),
+            _g("sliding_window", 4, 7),
+            _g("mamba", 8),
+        ],
+        4,
+    ),
+    "mini_sparse_swa": (
+        [
+            _g("full_attention", 24),
+            _g("sliding_window", 2, 3),
+            _g("sliding_window", 4, 13),
+            _g(CHUNKED_LOCAL_KIND, 24, c=40),
+        ],
+        2,
+    ),
     "two_fa": ([_g("mla_attention", 12), _g("full_attention", 4)], 4),
     "mini_mamba_coarse": ([_g("mamba", 6), _g("sink_full_attention", 4), _g("mamba", 6)], 2),
 }
 
 
-def _presence(rng: random.Random, specs: list[GroupSpec], h: int, num_tokens: int,
-              ) -> list[list[int]]:
+def _presence(
+    rng: random.Random,
+    specs: list[GroupSpec],
+    h: int,
+    num_tokens: int,
+) -> list[list[int]]:
     """Flags as an eviction history leaves them: per spec class a cached prefix with holes,
     sparse states, all, nothing or noise, each member of the class sometimes diverging;
     fine (non-boundary) entries mixed in everywhere."""
@@ -326,10 +401,17 @@ def _row(rng: random.Random, k: int, m: int, cached: int) -> list[int]:
 def _draw(seed: int, shape: str) -> tuple[list[GroupSpec], int, int, list[list[int]]]:
     rng = random.Random(seed)
     specs, h = SHAPES[shape]
-    biggest = max(math.lcm(*(s.block_size for s in specs)),
-                  *(s.sliding_window or s.block_size for s in specs))
-    num_tokens = rng.choice([rng.randint(0, h + 2), rng.randint(2, 12 * biggest),
-                             rng.randint(1, 40) * biggest, rng.randint(1, 40) * biggest + 1])
+    biggest = max(
+        math.lcm(*(s.block_size for s in specs)), *(s.sliding_window or s.block_size for s in specs)
+    )
+    num_tokens = rng.choice(
+        [
+            rng.randint(0, h + 2),
+            rng.randint(2, 12 * biggest),
+            rng.randint(1, 40) * biggest,
+            rng.randint(1, 40) * biggest + 1,
+        ]
+    )
     return specs, h, num_tokens, _presence(rng, specs, h, num_tokens)
 
 
@@ -337,10 +419,14 @@ VERSIONS = [(0, 25), (0, 28), (0, 34)]
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2**32), shape=st.sampled_from(sorted(SHAPES)),
-       version=st.sampled_from(VERSIONS))
-def test_matches_reference_and_masking_changes_nothing(seed: int, shape: str,
-                                                       version: tuple[int, ...]) -> None:
+@given(
+    seed=st.integers(0, 2**32),
+    shape=st.sampled_from(sorted(SHAPES)),
+    version=st.sampled_from(VERSIONS),
+)
+def test_matches_reference_and_masking_changes_nothing(
+    seed: int, shape: str, version: tuple[int, ...]
+) -> None:
     specs, h, n, flags = _draw(seed, shape)
     rule = build_rule(specs, h, vllm_version=version)
     got = hit_tokens(rule, n, flags)
@@ -354,8 +440,13 @@ def test_matches_reference_and_masking_changes_nothing(seed: int, shape: str,
 @given(seed=st.integers(0, 2**32), shape=st.sampled_from(sorted(SHAPES)))
 def test_forced_partial_hits_match_reference(seed: int, shape: str) -> None:
     specs, h, n, flags = _draw(seed, shape)
-    if any(s.kind in SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND} and s.block_size != h
-           for s in specs) or len(specs) < 2:
+    if (
+        any(
+            s.kind in SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND} and s.block_size != h
+            for s in specs
+        )
+        or len(specs) < 2
+    ):
         return  # forcing is refused there (see the ValueError tests)
     rule = build_rule(specs, h, partial_hits=True)
     assert rule.partial_hits and rule.alignment == h
@@ -383,9 +474,18 @@ def test_sliding_window_run_must_end_on_an_aligned_edge() -> None:
     assert hit_tokens(rule, 33, flags) == 24 == _reference_hit(specs, 4, False, 33, flags)
 
 
-@pytest.mark.parametrize(("tail", "states", "hit"), [
-    ([4], [4], 80), ([4, 5], [5], 96), ([4, 5], [4], 80), ([5], [4], 80), ([6], [3, 6], 112),
-    ([], [3, 4], 64), ([], [4], 0)])
+@pytest.mark.parametrize(
+    ("tail", "states", "hit"),
+    [
+        ([4], [4], 80),
+        ([4, 5], [5], 96),
+        ([4, 5], [4], 80),
+        ([5], [4], 80),
+        ([6], [3, 6], 112),
+        ([], [3, 4], 64),
+        ([], [4], 0),
+    ],
+)
 def test_full_attention_partial_tail(tail: list[int], states: list[int], hit: int) -> None:
     """Mamba64+FA64 at h=16 (partial hits): FA holds block 0 (index 3) and some hash units
     of block 1 (indices 4-6, its boundary 7 is missing); Mamba has states at ``states``."""
@@ -394,8 +494,11 @@ def test_full_attention_partial_tail(tail: list[int], states: list[int], hit: in
     assert rule.partial_hits
     fa = [int(i == 3 or i in tail) for i in range(18)]
     mamba = [int(i in states) for i in range(18)]
-    assert hit_tokens(rule, 300, [mamba, fa]) == hit == _reference_hit(specs, 16, True, 300,
-                                                                       [mamba, fa])
+    assert (
+        hit_tokens(rule, 300, [mamba, fa])
+        == hit
+        == _reference_hit(specs, 16, True, 300, [mamba, fa])
+    )
 
 
 @pytest.mark.parametrize("state", [0, 87, 88, 89, 342, 343, 344, 598, 599])
@@ -412,6 +515,7 @@ def test_mamba_state_found_anywhere_below_the_bound(state: int) -> None:
 
 # --- conservative handling ----------------------------------------------------------------
 
+
 def _degrade(spec: GroupSpec, how: str) -> tuple[GroupSpec, Inexact]:
     if how == "window" and spec.kind in SLIDING_WINDOW_KINDS:
         return GroupSpec(spec.kind, spec.block_size), Inexact.SLIDING_WINDOW_UNKNOWN
@@ -422,15 +526,20 @@ def _degrade(spec: GroupSpec, how: str) -> tuple[GroupSpec, Inexact]:
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2**32), shape=st.sampled_from(sorted(SHAPES)),
-       how=st.sampled_from(["window", "chunk", "kind"]), forced=st.booleans(),
-       data=st.data())
-def test_unknown_rule_is_a_lower_bound(seed: int, shape: str, how: str, forced: bool,
-                                       data: st.DataObject) -> None:
+@given(
+    seed=st.integers(0, 2**32),
+    shape=st.sampled_from(sorted(SHAPES)),
+    how=st.sampled_from(["window", "chunk", "kind"]),
+    forced=st.booleans(),
+    data=st.data(),
+)
+def test_unknown_rule_is_a_lower_bound(
+    seed: int, shape: str, how: str, forced: bool, data: st.DataObject
+) -> None:
     specs, h, n, flags = _draw(seed, shape)
     pos = data.draw(st.integers(0, len(specs) - 1))
     degraded, reason = _degrade(specs[pos], how)
-    worse = specs[:pos] + [degraded] + specs[pos + 1:]
+    worse = specs[:pos] + [degraded] + specs[pos + 1 :]
     partial: bool | None = None
     if forced:
         partial = build_rule(specs, h).partial_hits  # the truth, as a caller would know it
@@ -443,14 +552,30 @@ def test_unknown_rule_is_a_lower_bound(seed: int, shape: str, how: str, forced: 
 
 
 def test_unknown_kind_reasons_effective_and_order() -> None:
-    rule = build_rule([_g("unknown", 16), _g(CHUNKED_LOCAL_KIND, 16), _g(None, 16),
-                       _g("sliding_window_mla", 16), _g("cross_attention", 16),
-                       _g("sliding_window", 16, 32), _g("mamba", 16), _g("whatever", 16)], 16)
+    rule = build_rule(
+        [
+            _g("unknown", 16),
+            _g(CHUNKED_LOCAL_KIND, 16),
+            _g(None, 16),
+            _g("sliding_window_mla", 16),
+            _g("cross_attention", 16),
+            _g("sliding_window", 16, 32),
+            _g("mamba", 16),
+            _g("whatever", 16),
+        ],
+        16,
+    )
     assert rule.effective == ("fa", "fa", "fa", "fa", "skip", "swa", "mamba", "fa")
-    assert rule.inexact == (Inexact.UNKNOWN_KIND, Inexact.CHUNK_SIZE_UNKNOWN,
-                            Inexact.SLIDING_WINDOW_UNKNOWN)
-    assert [str(r) for r in rule.inexact] == ["unknown_group_kind", "chunk_size_unknown",
-                                              "sliding_window_unknown"]
+    assert rule.inexact == (
+        Inexact.UNKNOWN_KIND,
+        Inexact.CHUNK_SIZE_UNKNOWN,
+        Inexact.SLIDING_WINDOW_UNKNOWN,
+    )
+    assert [str(r) for r in rule.inexact] == [
+        "unknown_group_kind",
+        "chunk_size_unknown",
+        "sliding_window_unknown",
+    ]
     assert build_rule(SHAPES["llama4"][0], 16).effective == ("chunked",) * 3 + ("fa",)
 
 
@@ -461,10 +586,12 @@ def test_unknown_mamba_under_forced_partial_hits_needs_every_unit() -> None:
     vLLM. Read as FA at every hash unit, it accepts nothing."""
     n, h = 100, 16
     fa = [1] * 6
-    exact = build_rule([_g("mamba", 32), _g("mamba", 32), _g("full_attention", 32)], h,
-                       partial_hits=True)
-    blind = build_rule([_g(None, 32), _g("mamba", 32), _g("full_attention", 32)], h,
-                       partial_hits=True)
+    exact = build_rule(
+        [_g("mamba", 32), _g("mamba", 32), _g("full_attention", 32)], h, partial_hits=True
+    )
+    blind = build_rule(
+        [_g(None, 32), _g("mamba", 32), _g("full_attention", 32)], h, partial_hits=True
+    )
     apart = [[0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], fa]
     assert hit_tokens(exact, n, apart) == 0 == hit_tokens(blind, n, apart)
     shared = [[1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], fa]
@@ -481,11 +608,17 @@ def test_unknown_kind_with_coarse_block_turns_automatic_partial_hits_off() -> No
 
 # --- single group, skipped groups, inputs ----------------------------------------------
 
+
 @PROPERTY
-@given(block=st.sampled_from([1, 2, 16, 528]), flags=st.lists(st.integers(0, 1), max_size=80),
-       extra=st.integers(0, 600), kind=st.sampled_from(sorted(FULL_ATTENTION_KINDS)))
-def test_single_fa_group_is_prefix_blocks_capped(block: int, flags: list[int], extra: int,
-                                                  kind: str) -> None:
+@given(
+    block=st.sampled_from([1, 2, 16, 528]),
+    flags=st.lists(st.integers(0, 1), max_size=80),
+    extra=st.integers(0, 600),
+    kind=st.sampled_from(sorted(FULL_ATTENTION_KINDS)),
+)
+def test_single_fa_group_is_prefix_blocks_capped(
+    block: int, flags: list[int], extra: int, kind: str
+) -> None:
     n = len(flags) * block + extra % block if block > 1 else len(flags)
     n = max(n, 0)
     rule = build_rule([GroupSpec(kind, block)], block)
@@ -519,11 +652,16 @@ def test_prefix_blocks() -> None:
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2**32), shape=st.sampled_from(sorted(SHAPES)),
-       kind=st.sampled_from(sorted(NOT_CACHED_KINDS)), where=st.integers(0, 8),
-       block=st.sampled_from([1, 3, 7]))
-def test_not_cached_groups_are_ignored(seed: int, shape: str, kind: str, where: int,
-                                       block: int) -> None:
+@given(
+    seed=st.integers(0, 2**32),
+    shape=st.sampled_from(sorted(SHAPES)),
+    kind=st.sampled_from(sorted(NOT_CACHED_KINDS)),
+    where=st.integers(0, 8),
+    block=st.sampled_from([1, 3, 7]),
+)
+def test_not_cached_groups_are_ignored(
+    seed: int, shape: str, kind: str, where: int, block: int
+) -> None:
     specs, h, n, flags = _draw(seed, shape)
     rule = build_rule(specs, h)
     pos = where % (len(specs) + 1)
@@ -544,27 +682,43 @@ def test_only_not_cached_groups_hit_nothing() -> None:
     assert (one.partial_hits, one.alignment) == (True, 16)  # the cross group is no obstacle
 
 
-@pytest.mark.parametrize(("groups", "h", "kwargs", "match"), [
-    ([_g("full_attention", 16)], 0, {}, "hash unit"),
-    ([_g("full_attention", 16)], -16, {}, "hash unit"),
-    ([], 16, {}, "at least one"),
-    ([_g("full_attention", 24), _g("mamba", 16)], 16, {}, "multiple"),
-    ([_g("full_attention", 0)], 16, {}, "multiple"),
-    ([_g("full_attention", -16)], 16, {}, "multiple"),
-    ([_g("cross_attention", 8), _g("full_attention", 16)], 16, {}, "multiple"),
-    ([_g("sliding_window", 16, 0), _g("full_attention", 16)], 16, {}, "window/chunk"),
-    ([_g(CHUNKED_LOCAL_KIND, 16, c=0), _g("full_attention", 16)], 16, {}, "window/chunk"),
-    ([_g("sliding_window", 32, 64), _g("mamba", 32)], 16, {"partial_hits": True},
-     "no vLLM release"),
-    ([_g(CHUNKED_LOCAL_KIND, 32, c=64), _g("full_attention", 16)], 16,
-     {"partial_hits": True}, "no vLLM release"),
-    ([_g(CHUNKED_LOCAL_KIND, 16, c=64), _g("full_attention", 32)], 16, {}, "chunked-local"),
-    ([_g(CHUNKED_LOCAL_KIND, 16), _g("full_attention", 32)], 16, {}, "chunked-local"),
-    ([_g("mamba", 64), _g(CHUNKED_LOCAL_KIND, 32, c=64), _g("full_attention", 32)], 16,
-     {"vllm_version": (0, 27, 1)}, "asserts"),
-])
-def test_bad_inputs_raise(groups: list[GroupSpec], h: int, kwargs: dict[str, Any],
-                          match: str) -> None:
+@pytest.mark.parametrize(
+    ("groups", "h", "kwargs", "match"),
+    [
+        ([_g("full_attention", 16)], 0, {}, "hash unit"),
+        ([_g("full_attention", 16)], -16, {}, "hash unit"),
+        ([], 16, {}, "at least one"),
+        ([_g("full_attention", 24), _g("mamba", 16)], 16, {}, "multiple"),
+        ([_g("full_attention", 0)], 16, {}, "multiple"),
+        ([_g("full_attention", -16)], 16, {}, "multiple"),
+        ([_g("cross_attention", 8), _g("full_attention", 16)], 16, {}, "multiple"),
+        ([_g("sliding_window", 16, 0), _g("full_attention", 16)], 16, {}, "window/chunk"),
+        ([_g(CHUNKED_LOCAL_KIND, 16, c=0), _g("full_attention", 16)], 16, {}, "window/chunk"),
+        (
+            [_g("sliding_window", 32, 64), _g("mamba", 32)],
+            16,
+            {"partial_hits": True},
+            "no vLLM release",
+        ),
+        (
+            [_g(CHUNKED_LOCAL_KIND, 32, c=64), _g("full_attention", 16)],
+            16,
+            {"partial_hits": True},
+            "no vLLM release",
+        ),
+        ([_g(CHUNKED_LOCAL_KIND, 16, c=64), _g("full_attention", 32)], 16, {}, "chunked-local"),
+        ([_g(CHUNKED_LOCAL_KIND, 16), _g("full_attention", 32)], 16, {}, "chunked-local"),
+        (
+            [_g("mamba", 64), _g(CHUNKED_LOCAL_KIND, 32, c=64), _g("full_attention", 32)],
+            16,
+            {"vllm_version": (0, 27, 1)},
+            "asserts",
+        ),
+    ],
+)
+def test_bad_inputs_raise(
+    groups: list[GroupSpec], h: int, kwargs: dict[str, Any], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         build_rule(groups, h, **kwargs)
 
@@ -587,6 +741,7 @@ def test_automatic_partial_hits_follow_vllm() -> None:
 
 
 # --- probe_indices ------------------------------------------------------------------------
+
 
 def test_probe_indices_shapes() -> None:
     n = 4097

@@ -26,9 +26,16 @@ def test_no_module_but_keys_spells_a_key() -> None:
 def test_instance_keys_share_one_cluster_slot() -> None:
     ip = "10.1.2.3"
     names = [
-        keys.instance_meta(ip), keys.instance_gen(ip), keys.tier_set(ip, "l1"),
-        keys.tier_counts(ip, "l2"), keys.tier_rank_counts(ip, 3), keys.l1_state(ip),
-        keys.l1_owner(ip), keys.l3_set(ip), keys.l3_staging(ip), keys.l3_state(ip),
+        keys.instance_meta(ip),
+        keys.instance_gen(ip),
+        keys.tier_set(ip, "l1"),
+        keys.tier_counts(ip, "l2"),
+        keys.tier_rank_counts(ip, 3),
+        keys.l1_state(ip),
+        keys.l1_owner(ip),
+        keys.l3_set(ip),
+        keys.l3_staging(ip),
+        keys.l3_state(ip),
     ]
     tags = {re.search(r"\{([^}]*)\}", n).group(1) for n in names}  # type: ignore[union-attr]
     assert tags == {ip}

@@ -36,8 +36,11 @@ def stored(hashes: list[int], medium: str | None = "GPU", **kw: object) -> Block
 
 def writes(plan: Plan) -> list[tuple[object, ...]]:
     """The plan's hash writes (descriptors left out); group 0 written as (op, tier, hashes)."""
-    return [(op, tier, vals) if g == 0 else (op, tier, g, vals)
-            for op, tier, g, vals in plan.ops.ops if op not in ("D", "H")]
+    return [
+        (op, tier, vals) if g == 0 else (op, tier, g, vals)
+        for op, tier, g, vals in plan.ops.ops
+        if op not in ("D", "H")
+    ]
 
 
 def batch(*events: object, skipped: list[SkippedEvent] | None = None) -> EventBatch:
@@ -45,10 +48,21 @@ def batch(*events: object, skipped: list[SkippedEvent] | None = None) -> EventBa
 
 
 def test_ops_follow_event_order_and_merge_runs() -> None:
-    plan = plan_ops(batch(stored([1, 2]), stored([3]), BlockRemoved([1], medium="GPU"),
-                          AllBlocksCleared(), stored([4])))
-    assert writes(plan) == [("S", "l1", [1, 2, 3]), ("R", "l1", [1]), ("C", "l1", []),
-                            ("S", "l1", [4])]
+    plan = plan_ops(
+        batch(
+            stored([1, 2]),
+            stored([3]),
+            BlockRemoved([1], medium="GPU"),
+            AllBlocksCleared(),
+            stored([4]),
+        )
+    )
+    assert writes(plan) == [
+        ("S", "l1", [1, 2, 3]),
+        ("R", "l1", [1]),
+        ("C", "l1", []),
+        ("S", "l1", [4]),
+    ]
     assert plan.outcomes[("BlockStored", "l1")] == 3
     assert plan.hash_updates["l1"] == 5
 
@@ -58,10 +72,18 @@ def test_duplicate_store_is_two_ops_not_a_set() -> None:
     assert writes(plan) == [("S", "l1", [7, 7]), ("R", "l1", [7])]
 
 
-@pytest.mark.parametrize(("medium", "tier"), [
-    ("GPU", "l1"), (None, "l1"), ("gpu", "l1"), ("CPU", "l2"), ("cpu", "l2"), ("STORAGE", "l2"),
-    ("LMCACHE_DISK", "l2"),
-])
+@pytest.mark.parametrize(
+    ("medium", "tier"),
+    [
+        ("GPU", "l1"),
+        (None, "l1"),
+        ("gpu", "l1"),
+        ("CPU", "l2"),
+        ("cpu", "l2"),
+        ("STORAGE", "l2"),
+        ("LMCACHE_DISK", "l2"),
+    ],
+)
 def test_medium_policy(medium: str | None, tier: str) -> None:
     assert tier_for_medium(medium) == tier
     plan = plan_ops(batch(stored([5], medium=medium), BlockRemoved([6], medium=medium)))
@@ -69,25 +91,46 @@ def test_medium_policy(medium: str | None, tier: str) -> None:
     assert sum(plan.other_media.values()) == (0 if tier == "l1" else 2)
 
 
-@pytest.mark.parametrize(("group", "kind"), [
-    (None, None), (0, None), (0, "full_attention"), (0, "mla_attention"),
-    (1, "full_attention"), (0, "sliding_window"), (0, "mamba"), (3, "sink_full_attention"),
-    (None, "chunked_local_attention"), (2, None), (5, "unknown"),
-])
+@pytest.mark.parametrize(
+    ("group", "kind"),
+    [
+        (None, None),
+        (0, None),
+        (0, "full_attention"),
+        (0, "mla_attention"),
+        (1, "full_attention"),
+        (0, "sliding_window"),
+        (0, "mamba"),
+        (3, "sink_full_attention"),
+        (None, "chunked_local_attention"),
+        (2, None),
+        (5, "unknown"),
+    ],
+)
 def test_every_group_is_indexed_in_its_own_set(group: int | None, kind: str | None) -> None:
-    plan = plan_ops(batch(stored([9], group_idx=group, kv_cache_spec_kind=kind,
-                                 kv_cache_spec_sliding_window=64 if kind == "sliding_window"
-                                 else None)))
+    plan = plan_ops(
+        batch(
+            stored(
+                [9],
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=64 if kind == "sliding_window" else None,
+            )
+        )
+    )
     g = group or 0
     assert writes(plan) == ([("S", "l1", [9])] if g == 0 else [("S", "l1", g, [9])])
-    assert plan.ops.ops[0] == ("D", "", g, [kind or "-", 4,
-                                            64 if kind == "sliding_window" else ""])
+    assert plan.ops.ops[0] == ("D", "", g, [kind or "-", 4, 64 if kind == "sliding_window" else ""])
     assert plan.outcomes[("BlockStored", "l1")] == 1
 
 
 def test_removes_go_to_their_group_and_negative_groups_are_skipped() -> None:
-    plan = plan_ops(batch(BlockRemoved([9], medium="GPU", group_idx=1),
-                          BlockRemoved([8], medium="GPU", group_idx=-1)))
+    plan = plan_ops(
+        batch(
+            BlockRemoved([9], medium="GPU", group_idx=1),
+            BlockRemoved([8], medium="GPU", group_idx=-1),
+        )
+    )
     assert writes(plan) == [("R", "l1", 1, [9])]
     assert plan.outcomes[("BlockRemoved", "l1")] == 1
     assert plan.outcomes[("BlockRemoved", "skipped:bad_group")] == 1
@@ -96,16 +139,25 @@ def test_removes_go_to_their_group_and_negative_groups_are_skipped() -> None:
 def test_sparse_stores_are_applied_and_described_once_per_batch() -> None:
     """A sliding-window group's store lists only the kept blocks (or none) over its whole
     token span; each group's descriptor goes once per batch, the settings once after them."""
-    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window",
-           "kv_cache_spec_sliding_window": 64}
-    plan = plan_ops(batch(stored([], token_ids=list(range(12)), **swa),
-                          stored([3, 4], token_ids=list(range(16)), **swa),
-                          stored([1, 2, 3, 4], group_idx=2, kv_cache_spec_kind="full_attention")),
-                    GroupSettings(16, 0, 2))
+    swa = {
+        "group_idx": 0,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 64,
+    }
+    plan = plan_ops(
+        batch(
+            stored([], token_ids=list(range(12)), **swa),
+            stored([3, 4], token_ids=list(range(16)), **swa),
+            stored([1, 2, 3, 4], group_idx=2, kv_cache_spec_kind="full_attention"),
+        ),
+        GroupSettings(16, 0, 2),
+    )
     assert writes(plan) == [("S", "l1", [3, 4]), ("S", "l1", 2, [1, 2, 3, 4])]
     assert [op for op in plan.ops.ops if op[0] in ("D", "H")] == [
-        ("D", "", 0, ["sliding_window", 4, 64]), ("D", "", 2, ["full_attention", 4, ""]),
-        ("H", "", 0, [16, 0, 2])]
+        ("D", "", 0, ["sliding_window", 4, 64]),
+        ("D", "", 2, ["full_attention", 4, ""]),
+        ("H", "", 0, [16, 0, 2]),
+    ]
     assert plan.outcomes[("BlockStored", "l1")] == 3
 
 
@@ -124,8 +176,9 @@ def test_bytes_hashes_are_keyed_by_their_last_8_bytes() -> None:
 def test_skipped_events_are_counted_and_do_not_stop_the_rest() -> None:
     # A real payload with an unknown event between two good ones (both encodings).
     for version in ((0, 23, 0), (0, 28, 0)):
-        good = encode_batch([stored([1]), stored([2])], ts=1.0, data_parallel_rank=0,
-                            vllm_version=version)
+        good = encode_batch(
+            [stored([1]), stored([2])], ts=1.0, data_parallel_rank=0, vllm_version=version
+        )
         decoded = decode_batch(good.replace(b"BlockStored", b"BlockStorex", 1))
         plan = plan_ops(decoded)
         assert writes(plan) == [("S", "l1", [2])]
@@ -213,11 +266,13 @@ def test_cursor_bookkeeping() -> None:
 def test_plan_run_orders_by_sequence_and_keeps_the_first_copy() -> None:
     steps, dropped = plan_run(None, [(3, b"c"), (1, b"z"), (1, b"a"), (2, b"b")])
     assert [(s.seq, s.payload, s.gap_before) for s in steps] == [
-        (1, b"z", False), (2, b"b", False), (3, b"c", False)]
+        (1, b"z", False),
+        (2, b"b", False),
+        (3, b"c", False),
+    ]
     assert dropped == 1
     steps, dropped = plan_run(4, [(9, b"a"), (4, b"x"), (6, b"b")])
-    assert [(s.seq, s.payload, s.gap_before) for s in steps] == [(6, b"b", True),
-                                                                 (9, b"a", True)]
+    assert [(s.seq, s.payload, s.gap_before) for s in steps] == [(6, b"b", True), (9, b"a", True)]
     assert dropped == 1
 
 
@@ -226,20 +281,42 @@ def test_outcome_labels_and_media_counts() -> None:
     from services.l1_ingest.apply import medium_label
 
     assert [medium_label(m) for m in ("cpu", "CPU", "Disk", None, "", "NVME", "GPU")] == [
-        "CPU", "CPU", "DISK", "other", "other", "other", "GPU"]
+        "CPU",
+        "CPU",
+        "DISK",
+        "other",
+        "other",
+        "other",
+        "GPU",
+    ]
     skips = [SkippedEvent(1, "malformed", "x"), SkippedEvent(2, "malformed", "y")]
-    plan = plan_ops(batch(AllBlocksCleared(), BlockRemoved([1], medium="GPU"),
-                          stored([2], medium="cpu"), stored([3], medium="nvme"),
-                          BlockRemoved([4], medium="weird"), skipped=skips))
-    assert plan.outcomes == {("AllBlocksCleared", "l1"): 1, ("BlockRemoved", "l1"): 1,
-                             ("BlockStored", "l2"): 2, ("BlockRemoved", "l2"): 1,
-                             ("unknown", "skipped:malformed"): 2}
+    plan = plan_ops(
+        batch(
+            AllBlocksCleared(),
+            BlockRemoved([1], medium="GPU"),
+            stored([2], medium="cpu"),
+            stored([3], medium="nvme"),
+            BlockRemoved([4], medium="weird"),
+            skipped=skips,
+        )
+    )
+    assert plan.outcomes == {
+        ("AllBlocksCleared", "l1"): 1,
+        ("BlockRemoved", "l1"): 1,
+        ("BlockStored", "l2"): 2,
+        ("BlockRemoved", "l2"): 1,
+        ("unknown", "skipped:malformed"): 2,
+    }
     assert plan.other_media == {"CPU": 1, "other": 2}
 
 
 def test_only_an_event_without_tokens_and_block_size_is_a_placeholder() -> None:
-    plan = plan_ops(batch(stored([1], token_ids=[], block_size=0),
-                          stored([2], token_ids=[], block_size=4),
-                          stored([3], token_ids=[1, 2, 3, 4], block_size=0)))
+    plan = plan_ops(
+        batch(
+            stored([1], token_ids=[], block_size=0),
+            stored([2], token_ids=[], block_size=4),
+            stored([3], token_ids=[1, 2, 3, 4], block_size=0),
+        )
+    )
     assert plan.outcomes == {("BlockStored", "placeholder"): 1, ("BlockStored", "l1"): 2}
     assert writes(plan) == [("S", "l1", [2, 3])]

@@ -50,8 +50,13 @@ def _golden_events() -> list[Event]:
     return events
 
 
-def _checker(seed: str | None = "0", algo: str = "sha256_cbor", version: str = "0.28.0",
-             rate: float = 10_000, **kw: Any) -> HashChecker:
+def _checker(
+    seed: str | None = "0",
+    algo: str = "sha256_cbor",
+    version: str = "0.28.0",
+    rate: float = 10_000,
+    **kw: Any,
+) -> HashChecker:
     return HashChecker("10.0.0.1", HashSettings.from_strings(algo, seed, version), rate, **kw)
 
 
@@ -69,8 +74,9 @@ def test_vllm_capture_with_the_project_default_seed_names_seed_1(algo: str) -> N
     checker = _checker(seed="0", algo=algo, metrics=metrics)
     checker.offer(_captured(algo))
     assert checker.verdict == MISMATCH and checker.ok == 0
-    assert checker.detail == (f"the engine hashes with pythonHashSeed '1' and {algo}; "
-                              "the config says pythonHashSeed '0'")
+    assert checker.detail == (
+        f"the engine hashes with pythonHashSeed '1' and {algo}; the config says pythonHashSeed '0'"
+    )
     assert metrics.hash_check_hints.value(seed="1", algo=algo, extra_keys=UNTAGGED) == 1
     assert metrics.hash_checks.value(result=MISMATCH) == checker.mismatch
 
@@ -90,8 +96,9 @@ def test_golden_lora_and_salt_events_verify() -> None:
 
 
 def _model_events(version: str, salt: str | None = "tenant-a", **kw: Any) -> list[Event]:
-    hasher = BlockHasher(HashSettings.from_strings(kw.get("algo", "sha256_cbor"),
-                                                   kw.get("seed", "0"), version))
+    hasher = BlockHasher(
+        HashSettings.from_strings(kw.get("algo", "sha256_cbor"), kw.get("seed", "0"), version)
+    )
     model = PrefixCacheModel(64, 16, hasher)
     tokens = tuple(range(100, 164))
     return model.step([Request(tokens, cache_salt=salt)])
@@ -147,8 +154,14 @@ def test_unverified_parents_are_not_checked_and_other_groups_are() -> None:
     orphan = BlockStored([stored.block_hashes[1]], 12345, stored.token_ids[16:32], 16)
     checker.offer([orphan])
     assert (checker.verdict, checker.ok, checker.mismatch) == (UNCHECKED, 0, 0)
-    other = BlockStored(stored.block_hashes[:1], None, stored.token_ids[:16], 16, group_idx=3,
-                        kv_cache_spec_kind="full_attention")
+    other = BlockStored(
+        stored.block_hashes[:1],
+        None,
+        stored.token_ids[:16],
+        16,
+        group_idx=3,
+        kv_cache_spec_kind="full_attention",
+    )
     checker.offer([other])
     assert (checker.verdict, checker.ok, checker.mismatch) == (OK, 1, 0)
 
@@ -164,8 +177,7 @@ def _chain(tokens: list[int], unit: int, parent: bytes | None = None) -> list[in
 
 
 TOKENS = list(range(300, 300 + 8 * 16))
-SWA = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window",
-       "kv_cache_spec_sliding_window": 32}
+SWA = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 32}
 
 
 def test_sparse_sliding_window_stores_chain_from_a_parent_of_any_group() -> None:
@@ -173,8 +185,13 @@ def test_sparse_sliding_window_stores_chain_from_a_parent_of_any_group() -> None
     is a block its own group may never have stored, verified through the FA group."""
     h = _chain(TOKENS, 16)
     checker = _checker()
-    checker.offer([BlockStored(h[:4], None, TOKENS[:64], 16, group_idx=1,
-                               kv_cache_spec_kind="full_attention")])
+    checker.offer(
+        [
+            BlockStored(
+                h[:4], None, TOKENS[:64], 16, group_idx=1, kv_cache_spec_kind="full_attention"
+            )
+        ]
+    )
     assert checker.ok == 4
     sparse = BlockStored([h[6], h[7]], h[3], TOKENS[64:], 16, **SWA)  # type: ignore[arg-type]
     none_kept = BlockStored([], h[3], TOKENS[64:96], 16, **SWA)  # type: ignore[arg-type]
@@ -198,24 +215,25 @@ def test_coarse_blocks_are_checked_at_the_hash_unit() -> None:
     chain's value at 16 at its end, found only when the unit is known."""
     fine = _chain(TOKENS, 16)
     coarse = [fine[3], fine[7]]
-    event = BlockStored(coarse, None, TOKENS, 64, group_idx=1,
-                        kv_cache_spec_kind="full_attention")
+    event = BlockStored(coarse, None, TOKENS, 64, group_idx=1, kv_cache_spec_kind="full_attention")
     configured = _checker(hash_unit=16)
     configured.offer([event])
     assert (configured.verdict, configured.ok) == (OK, 2)
     derived = _checker()  # only B = 64 seen: the unit is taken to be 64, which is wrong
     derived.offer([event])
     assert derived.verdict == MISMATCH and "prefixMatchUnit" in derived.detail
-    partial = BlockStored([fine[0]], None, TOKENS[:16], 16, group_idx=1,
-                          kv_cache_spec_kind="full_attention")
+    partial = BlockStored(
+        [fine[0]], None, TOKENS[:16], 16, group_idx=1, kv_cache_spec_kind="full_attention"
+    )
     learns = _checker()  # a partial entry (block_size = h) reveals the unit
     learns.offer([partial, event])
     assert (learns.verdict, learns.ok, learns.unit) == (OK, 3, 16)
 
 
 def test_lora_on_tagged_releases_is_unchecked_with_a_reason() -> None:
-    event = BlockStored([1], None, list(range(16)), 16, lora_name="sql-lora",
-                        extra_keys=[["sql-lora"]])
+    event = BlockStored(
+        [1], None, list(range(16)), 16, lora_name="sql-lora", extra_keys=[["sql-lora"]]
+    )
     with pytest.raises(Uncheckable):
         hash_side_keys(event, TAGGED, True)
     checker = _checker(version="0.34.0")

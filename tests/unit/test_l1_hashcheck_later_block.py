@@ -31,33 +31,38 @@ def _engine_event(engine: str, algo: str, image_block: int) -> BlockStored:
     digests = chain_digests(algo, seed_none_hash(algo, "0"), tokens, B, extras)
     published: list[list[object] | None] = [None, None]
     published[image_block] = [list(IMAGE)]  # the same on the wire for both rules
-    return BlockStored([to_event_int(d) for d in digests], None, tokens, B, medium="GPU",
-                       extra_keys=published)
+    return BlockStored(
+        [to_event_int(d) for d in digests], None, tokens, B, medium="GPU", extra_keys=published
+    )
 
 
 @pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
 @pytest.mark.parametrize(("engine", "config"), [("0.34.0", "0.28.0"), ("0.28.0", "0.34.0")])
 @pytest.mark.parametrize("image_block", [1, 0])
 def test_a_mismatch_first_seen_on_a_later_block_names_the_rule(
-        engine: str, config: str, algo: str, image_block: int) -> None:
+    engine: str, config: str, algo: str, image_block: int
+) -> None:
     metrics = IngestMetrics()
-    checker = HashChecker("10.0.0.1", HashSettings.from_strings(algo, "0", config), 10_000,
-                          metrics=metrics)
+    checker = HashChecker(
+        "10.0.0.1", HashSettings.from_strings(algo, "0", config), 10_000, metrics=metrics
+    )
     event = _engine_event(engine, algo, image_block)
     checker.offer([event])
     assert checker.verdict == MISMATCH and checker.mismatch == 1
     # with the image on block 1, block 0 verified: the first mismatch really is block 1
     assert (event.block_hashes[0] in checker.verified) is (image_block == 1)
     assert checker.hint is not None
-    assert (checker.hint.seed, checker.hint.algo, checker.hint.rule) == ("0", algo,
-                                                                         RULE_OF[engine])
-    rule_text = ("tagged extra keys (vLLM >= 0.31)" if RULE_OF[engine] == TAGGED
-                 else "untagged extra keys (vLLM 0.12-0.30)")
+    assert (checker.hint.seed, checker.hint.algo, checker.hint.rule) == ("0", algo, RULE_OF[engine])
+    rule_text = (
+        "tagged extra keys (vLLM >= 0.31)"
+        if RULE_OF[engine] == TAGGED
+        else "untagged extra keys (vLLM 0.12-0.30)"
+    )
     assert checker.detail == (
         f"the engine hashes with pythonHashSeed '0', {algo} and {rule_text}; the config "
-        f"says vllmVersion {config} ({RULE_OF[config]} extra keys)")
-    assert metrics.hash_check_hints.value(seed="0", algo=algo,
-                                          extra_keys=RULE_OF[engine]) == 1
+        f"says vllmVersion {config} ({RULE_OF[config]} extra keys)"
+    )
+    assert metrics.hash_check_hints.value(seed="0", algo=algo, extra_keys=RULE_OF[engine]) == 1
 
 
 def test_a_later_block_that_no_rule_explains_gets_no_hint() -> None:
@@ -66,8 +71,9 @@ def test_a_later_block_that_no_rule_explains_gets_no_hint() -> None:
     matches neither rule, and no rule may be named (block 0 would match under either)."""
     event = _engine_event("0.28.0", "sha256_cbor", 1)
     event.extra_keys = [None, [[IMAGE[0], IMAGE[1] + 1]]]  # published with another offset
-    checker = HashChecker("10.0.0.1", HashSettings.from_strings("sha256_cbor", "0", "0.28.0"),
-                          10_000)
+    checker = HashChecker(
+        "10.0.0.1", HashSettings.from_strings("sha256_cbor", "0", "0.28.0"), 10_000
+    )
     checker.offer([event])
     assert checker.verdict == MISMATCH and checker.hint is None
     assert checker.detail.startswith("no plausible setting reproduces the engine's hashes")

@@ -62,10 +62,18 @@ def test_assignment_is_the_same_in_every_process_whatever_its_hash_seed() -> Non
     ips = IPS[::5]
     here = [[static_shard(ip, 4), static_shard(ip, 7), rendezvous_owner(ip, ids)] for ip in ips]
     seeds = ("0", "4242", "random")
-    children = {seed: subprocess.Popen(  # concurrently: each pays the interpreter start-up
-        [sys.executable, "-c", _ASSIGN], cwd=ROOT, env={**child_env(), "PYTHONHASHSEED": seed},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for seed in seeds}
+    children = {
+        seed: subprocess.Popen(  # concurrently: each pays the interpreter start-up
+            [sys.executable, "-c", _ASSIGN],
+            cwd=ROOT,
+            env={**child_env(), "PYTHONHASHSEED": seed},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in seeds
+    }
     for seed, child in children.items():
         out, err = child.communicate(json.dumps(ips), timeout=60)
         assert child.returncode == 0, err[-2000:]

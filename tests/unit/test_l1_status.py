@@ -22,7 +22,9 @@ def test_status_writes_are_fenced_by_generation_and_owner(any_store: Store) -> N
     assert any_store.write_l1_status([_status(gen + 1)]) == [False]  # an old pod's ingester
     assert any_store.claim_instance(IP, "ing-a", 60_000)
     assert any_store.write_l1_status([_status(gen, "ing-b"), _status(gen, "ing-a")]) == [
-        False, True]
+        False,
+        True,
+    ]
     state = any_store.l1_state(IP)
     assert state["conn"] == "connected" and state["hash_check_ok"] == "4"
     any_store.remove_instance(IP)

@@ -22,14 +22,22 @@ def test_the_owners_status_for_an_older_generation_is_refused(any_store: Store) 
     assert any_store.claim_instance(IP, OWNER, 60_000)
     _, new = any_store.upsert_instance(Instance(IP, "uid-1", restarts="1"))  # vLLM restarted
     assert new > old and any_store.r.get(keys.l1_owner(IP)) == OWNER.encode()  # still held
-    fresh = L1Status(IP, new, OWNER, {"conn": "connected", "hash_check": "ok",
-                                      "hash_check_detail": "3 blocks verified"},
-                     {"hash_check_ok": 3, "hash_check_mismatch": 0})
+    fresh = L1Status(
+        IP,
+        new,
+        OWNER,
+        {"conn": "connected", "hash_check": "ok", "hash_check_detail": "3 blocks verified"},
+        {"hash_check_ok": 3, "hash_check_mismatch": 0},
+    )
     assert any_store.write_l1_status([fresh]) == [True]
     before = any_store.l1_state(IP)
-    stale = L1Status(IP, old, OWNER, {"conn": "connected", "hash_check": "mismatch",
-                                      "hash_check_detail": "from the old engine"},
-                     {"hash_check_ok": 40, "hash_check_mismatch": 7})
+    stale = L1Status(
+        IP,
+        old,
+        OWNER,
+        {"conn": "connected", "hash_check": "mismatch", "hash_check_detail": "from the old engine"},
+        {"hash_check_ok": 40, "hash_check_mismatch": 7},
+    )
     assert any_store.write_l1_status([stale]) == [False]
     after = any_store.l1_state(IP)
     assert after == before
@@ -44,7 +52,8 @@ HOUR_MS = 3_600_000
 
 
 def test_an_instance_that_went_quiet_keeps_its_last_event_and_turns_no_events(
-        any_store: Store) -> None:
+    any_store: Store,
+) -> None:
     """Issue 21, behaviour 5: batches arrived, then nothing. The status keeps reporting the
     last batch's time (not the subscription's, not the status write's), and the state is
     ``no_events`` once that is older than ``noEventsAfter``. The subscription is an hour old

@@ -64,8 +64,9 @@ def prefix(blocks: list[int], complete_set: set[int]) -> set[int]:
 
 
 @pytest.mark.parametrize(("version", "name", "cfg"), CONFIGS, ids=IDS)
-def test_completeness_gives_the_lookups_answer(version: str, name: str,
-                                               cfg: dict[str, Any]) -> None:
+def test_completeness_gives_the_lookups_answer(
+    version: str, name: str, cfg: dict[str, Any]
+) -> None:
     keys = [e["key"] for e in cfg["distinct_keys_all_ranks"]]
     u64s = [b["u64"] for b in cfg["block_hashes"]]
     n_hit = cfg["lookup_scheduler_rank0"]["hit_tokens_if_all_exist"] // cfg["connector_block_size"]
@@ -92,8 +93,13 @@ def test_layerwise_needs_every_layer_of_every_head() -> None:
     u0, u1 = (b["u64"] for b in cfg["block_hashes"])
     index = MasterIndex(locate=False)
     assert complete(index, keys, 0) == {u0, u1}
-    drop = {k for k in keys if "head_or_tp_rank:1@" in k and "layer_id:23@" in k
-            and k.endswith(cfg["block_hashes"][1]["hex"])}
+    drop = {
+        k
+        for k in keys
+        if "head_or_tp_rank:1@" in k
+        and "layer_id:23@" in k
+        and k.endswith(cfg["block_hashes"][1]["hex"])
+    }
     assert len(drop) == 1
     assert complete(index, set(keys) - drop, 1) == {u0}  # block 1 lost one layer of head 1
 
@@ -104,8 +110,9 @@ def test_a_head_that_vanishes_whole_counts_until_forgotten_unless_pinned() -> No
     head0 = [k for k in keys if "head_or_tp_rank:0@" in k]
     u64s = {b["u64"] for b in cfg["block_hashes"]}
     inferred = MasterIndex(locate=False, ns_memory=60)
-    pinned = MasterIndex(locate=False, ns_memory=60,
-                         pins=pins_by_model([("Qwen/Qwen2.5-7B-Instruct", 2, 1, 0)]))
+    pinned = MasterIndex(
+        locate=False, ns_memory=60, pins=pins_by_model([("Qwen/Qwen2.5-7B-Instruct", 2, 1, 0)])
+    )
     for index in (inferred, pinned):
         assert complete(index, keys, 0) == u64s
         assert complete(index, head0, 30) == set()  # head 1 is remembered
@@ -131,8 +138,11 @@ def test_deployments_are_judged_separately() -> None:
     hexes = [f"{i + 1:064x}" for i in range(3)]
     tp2_vllm = [f"M@tp_rank:{r}@pcp0@dcp0@pp_rank:0@group:0@{h}" for h in hexes for r in (0, 1)]
     tp1_a = [f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{h}" for h in hexes]
-    tp2_c = [f"M@pcp0@dcp0@head_or_tp_rank:{r}@pp_rank:0@group:0@cache_role:kv"
-             f"@cache_family:default@{h}" for h in hexes[:2] for r in (0, 1)]
+    tp2_c = [
+        f"M@pcp0@dcp0@head_or_tp_rank:{r}@pp_rank:0@group:0@cache_role:kv@cache_family:default@{h}"
+        for h in hexes[:2]
+        for r in (0, 1)
+    ]
     tp2_c.remove(tp2_c[-1])  # block 1 of the v0.20 deployment lost head 1
     index = MasterIndex(locate=False)
     got = complete(index, tp2_vllm[:-1] + tp1_a + tp2_c, 0)
@@ -175,4 +185,5 @@ def test_role_and_family_are_needed_within_a_group() -> None:
 def test_basename_of_pins() -> None:
     assert model_basename("/data/models/Qwen2.5-7B-Instruct/") == "Qwen2.5-7B-Instruct"
     assert pins_by_model([("Qwen/Qwen2.5-7B-Instruct", 2, 1, 0)]) == {
-        "Qwen2.5-7B-Instruct": ModelPin(2, 1, 0)}
+        "Qwen2.5-7B-Instruct": ModelPin(2, 1, 0)
+    }

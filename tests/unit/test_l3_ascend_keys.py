@@ -23,8 +23,12 @@ from tests.conftest import DATA
 GOLDEN = json.loads((DATA / "ascend" / "golden_keys.json").read_text())
 HEX = "c855341b2e1b326d809910c2e0436b041b100e770eff5ac15ded46c5eacf99b4"
 U64 = 6768143630869698996
-FORMS = {"v0.13.0": ("A", "A-LW"), "v0.18.0": ("A", "A-LW"), "v0.20.2rc1": ("C", "C-LW"),
-         "main": ("C", "E-LW")}
+FORMS = {
+    "v0.13.0": ("A", "A-LW"),
+    "v0.18.0": ("A", "A-LW"),
+    "v0.20.2rc1": ("C", "C-LW"),
+    "main": ("C", "E-LW"),
+}
 
 
 def configs() -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -33,10 +37,12 @@ def configs() -> Iterator[tuple[str, str, dict[str, Any]]]:
             yield version, name, cfg
 
 
-@pytest.mark.parametrize(("version", "name", "cfg"), list(configs()),
-                         ids=[f"{v}-{n}" for v, n, _ in configs()])
-def test_every_golden_key_parses_to_its_fields(version: str, name: str,
-                                               cfg: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("version", "name", "cfg"), list(configs()), ids=[f"{v}-{n}" for v, n, _ in configs()]
+)
+def test_every_golden_key_parses_to_its_fields(
+    version: str, name: str, cfg: dict[str, Any]
+) -> None:
     model = cfg["model"].rstrip("/").split("/")[-1]
     form = FORMS[version][1 if cfg["use_layerwise"] else 0]
     n = 0
@@ -49,7 +55,15 @@ def test_every_golden_key_parses_to_its_fields(version: str, name: str,
             assert isinstance(ns, AscendNamespace)
             assert u64 == entry["u64"] == cfg["block_hashes"][entry["block"]]["u64"]
             assert (ns.model, ns.form, ns.head, ns.pcp, ns.dcp, ns.group, ns.role, ns.family) == (
-                model, form, rank["head_or_tp_rank"], 0, dcp, 0, "kv", "default")
+                model,
+                form,
+                rank["head_or_tp_rank"],
+                0,
+                dcp,
+                0,
+                "kv",
+                "default",
+            )
             if cfg["use_layerwise"]:
                 assert ns.pp == -1 and ns.layer == entry["layer"]
                 assert 0 <= ns.layer < rank["num_layers_on_rank"]
@@ -63,10 +77,12 @@ def test_every_golden_key_parses_to_its_fields(version: str, name: str,
     assert n > 0
 
 
-@pytest.mark.parametrize(("version", "name", "cfg"), list(configs()),
-                         ids=[f"{v}-{n}" for v, n, _ in configs()])
-def test_the_pollers_inlined_parse_agrees_on_every_golden_key(version: str, name: str,
-                                                             cfg: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("version", "name", "cfg"), list(configs()), ids=[f"{v}-{n}" for v, n, _ in configs()]
+)
+def test_the_pollers_inlined_parse_agrees_on_every_golden_key(
+    version: str, name: str, cfg: dict[str, Any]
+) -> None:
     """MasterIndex.feed inlines split_key for speed: it must give parse_any's answer."""
     keys = {e["key"] for rank in cfg["ranks"] for e in rank["key_namespace"]}
     index = MasterIndex()
@@ -80,26 +96,33 @@ def test_the_pollers_inlined_parse_agrees_on_every_golden_key(version: str, name
 
 def test_the_spec_examples() -> None:
     cases = {
-        f"Qwen2.5-1.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@pp_rank:0@{HEX}":
-            AscendNamespace("Qwen2.5-1.5B-Instruct", "A", 0, 0, 1, 0, 0, "kv", "default", -1),
-        f"Qwen2.5-0.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@{HEX}@1":
-            AscendNamespace("Qwen2.5-0.5B-Instruct", "A-LW", 0, 0, 1, -1, 0, "kv", "default", 1),
-        (f"Qwen2.5-1.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@pp_rank:0@group:0@cache_role:kv"
-         f"@cache_family:default@{HEX}"):
-            AscendNamespace("Qwen2.5-1.5B-Instruct", "C", 0, 0, 1, 0, 0, "kv", "default", -1),
-        (f"Qwen2.5-0.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@group:0@cache_role:kv"
-         f"@cache_family:default@{HEX}@1"):
-            AscendNamespace("Qwen2.5-0.5B-Instruct", "C-LW", 0, 0, 1, -1, 0, "kv", "default", 1),
-        (f"Qwen2.5-0.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@group:0@cache_role:kv"
-         f"@cache_family:default@layer_id:1@{HEX}"):
-            AscendNamespace("Qwen2.5-0.5B-Instruct", "E-LW", 0, 0, 1, -1, 0, "kv", "default", 1),
+        f"Qwen2.5-1.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@pp_rank:0@{HEX}": AscendNamespace(
+            "Qwen2.5-1.5B-Instruct", "A", 0, 0, 1, 0, 0, "kv", "default", -1
+        ),
+        f"Qwen2.5-0.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@{HEX}@1": AscendNamespace(
+            "Qwen2.5-0.5B-Instruct", "A-LW", 0, 0, 1, -1, 0, "kv", "default", 1
+        ),
+        (
+            f"Qwen2.5-1.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@pp_rank:0@group:0@cache_role:kv"
+            f"@cache_family:default@{HEX}"
+        ): AscendNamespace("Qwen2.5-1.5B-Instruct", "C", 0, 0, 1, 0, 0, "kv", "default", -1),
+        (
+            f"Qwen2.5-0.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@group:0@cache_role:kv"
+            f"@cache_family:default@{HEX}@1"
+        ): AscendNamespace("Qwen2.5-0.5B-Instruct", "C-LW", 0, 0, 1, -1, 0, "kv", "default", 1),
+        (
+            f"Qwen2.5-0.5B-Instruct@pcp0@dcp0@head_or_tp_rank:1@group:0@cache_role:kv"
+            f"@cache_family:default@layer_id:1@{HEX}"
+        ): AscendNamespace("Qwen2.5-0.5B-Instruct", "E-LW", 0, 0, 1, -1, 0, "kv", "default", 1),
         # DeepSeek-V4 style second group with another cache family; pcp/dcp shards
-        (f"DeepSeek-V4@pcp1@dcp3@head_or_tp_rank:0@pp_rank:2@group:1@cache_role:kv"
-         f"@cache_family:c4@{HEX}"):
-            AscendNamespace("DeepSeek-V4", "C", 1, 3, 0, 2, 1, "kv", "c4", -1),
+        (
+            f"DeepSeek-V4@pcp1@dcp3@head_or_tp_rank:0@pp_rank:2@group:1@cache_role:kv"
+            f"@cache_family:c4@{HEX}"
+        ): AscendNamespace("DeepSeek-V4", "C", 1, 3, 0, 2, 1, "kv", "c4", -1),
         # a model basename with @ and dots
-        f"my@model.v2@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX}":
-            AscendNamespace("my@model.v2", "A", 0, 0, 0, 0, 0, "kv", "default", -1),
+        f"my@model.v2@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX}": AscendNamespace(
+            "my@model.v2", "A", 0, 0, 0, 0, 0, "kv", "default", -1
+        ),
     }
     for key, expected in cases.items():
         assert parse_any(key) == (expected, U64), key
@@ -116,8 +139,9 @@ def test_layer_id_is_never_taken_for_the_hash() -> None:
 def test_any_hex_length_from_16() -> None:
     """v0.20.2rc1 groups hashes by concatenation (64·k hex); the u64 is the last 16 digits."""
     long_hex = "ab" * 64 + HEX
-    key = ("M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:1@cache_role:kv@cache_family:c4"
-           f"@{long_hex}")
+    key = (
+        f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:1@cache_role:kv@cache_family:c4@{long_hex}"
+    )
     assert parse_any(key) is not None and parse_any(key)[1] == U64  # type: ignore[index]
     assert parse_any(f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX[-16:]}") is not None
     assert parse_any(f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX[-15:]}") is None
@@ -125,23 +149,26 @@ def test_any_hex_length_from_16() -> None:
     assert vllm == (Namespace("M", 0, 0, 0, 0, 0), U64)
 
 
-@pytest.mark.parametrize("junk", [
-    f"M@pcp0@dcp0@head_or_tp_rank:0@{HEX}",  # no pp and no layer: no release writes that
-    f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX}@3",  # old layer-wise never has pp
-    f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default"
-    f"@layer_id:1@{HEX}",  # new layer-wise never has pp
-    f"M@pcp0@dcp0@head_or_tp_rank:0@layer_id:1@{HEX}",  # layer_id comes with a group
-    f"M@pcp0@dcp0@head_or_tp_rank:0@group:0@cache_role:kv@cache_family:default@layer_id:1"
-    f"@{HEX}@1",  # both layer spellings
-    f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@{HEX}",  # group without role/family
-    f"M@pcp0@dcp0@head_or_tp_rank:x@pp_rank:0@{HEX}",
-    f"@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX}",  # no model
-    f"M@dcp0@pcp0@head_or_tp_rank:0@pp_rank:0@{HEX}",  # fields out of order
-    f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX.upper()}",
-    # the legacy v0.11 store (own token hash, not a vLLM block hash): not indexable
-    f"Qwen/Qwen2.5-7B-Instruct@2@0@{HEX}",
-    f"Qwen/Qwen2.5-7B-Instruct@2@0@{HEX}@5",
-])
+@pytest.mark.parametrize(
+    "junk",
+    [
+        f"M@pcp0@dcp0@head_or_tp_rank:0@{HEX}",  # no pp and no layer: no release writes that
+        f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX}@3",  # old layer-wise never has pp
+        f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default"
+        f"@layer_id:1@{HEX}",  # new layer-wise never has pp
+        f"M@pcp0@dcp0@head_or_tp_rank:0@layer_id:1@{HEX}",  # layer_id comes with a group
+        f"M@pcp0@dcp0@head_or_tp_rank:0@group:0@cache_role:kv@cache_family:default@layer_id:1"
+        f"@{HEX}@1",  # both layer spellings
+        f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@{HEX}",  # group without role/family
+        f"M@pcp0@dcp0@head_or_tp_rank:x@pp_rank:0@{HEX}",
+        f"@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX}",  # no model
+        f"M@dcp0@pcp0@head_or_tp_rank:0@pp_rank:0@{HEX}",  # fields out of order
+        f"M@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{HEX.upper()}",
+        # the legacy v0.11 store (own token hash, not a vLLM block hash): not indexable
+        f"Qwen/Qwen2.5-7B-Instruct@2@0@{HEX}",
+        f"Qwen/Qwen2.5-7B-Instruct@2@0@{HEX}@5",
+    ],
+)
 def test_near_misses_are_not_keys(junk: str) -> None:
     assert parse_any(junk) is None
 

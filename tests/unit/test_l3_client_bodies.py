@@ -58,8 +58,10 @@ def test_percent_encoded_keys_miss_on_query_key(capture: dict[str, Any]) -> None
 
 
 def test_old_query_key_with_several_replicas_and_with_none() -> None:
-    body = (b'{"size_":4096,"buffer_address_":1,"protocol_":"tcp","transport_endpoint_":"a:1"}\n'
-            b'{"size_":4096,"buffer_address_":2,"protocol_":"tcp","transport_endpoint_":"b:2"}\n')
+    body = (
+        b'{"size_":4096,"buffer_address_":1,"protocol_":"tcp","transport_endpoint_":"a:1"}\n'
+        b'{"size_":4096,"buffer_address_":2,"protocol_":"tcp","transport_endpoint_":"b:2"}\n'
+    )
     assert parse_query_key_body(200, body) == ("a:1", "b:2")
     assert parse_query_key_body(200, b"") == ()
 
@@ -92,11 +94,22 @@ def test_batch_query_keys_decoding_differs_between_versions() -> None:
 
 
 def test_batch_disk_replicas_and_bad_bodies() -> None:
-    body = json.dumps({"success": True, "data": {
-        "k": {"ok": True, "error": None, "values": [], "disk_values": [{"file_path": "/x"}],
-              "local_disk_values": [{"transport_endpoint": "10.0.0.7:1"}], "nof_values": None},
-        "d": {"ok": True, "values": None, "disk_values": [{"file_path": "/y"}]},
-    }}).encode()
+    body = json.dumps(
+        {
+            "success": True,
+            "data": {
+                "k": {
+                    "ok": True,
+                    "error": None,
+                    "values": [],
+                    "disk_values": [{"file_path": "/x"}],
+                    "local_disk_values": [{"transport_endpoint": "10.0.0.7:1"}],
+                    "nof_values": None,
+                },
+                "d": {"ok": True, "values": None, "disk_values": [{"file_path": "/y"}]},
+            },
+        }
+    ).encode()
     assert parse_batch_body(body) == {"k": ("10.0.0.7:1",), "d": ()}
     for bad in (b"", b"[]", b"<html>", b'{"success":false,"error":"x"}', b'{"success":true}'):
         with pytest.raises(MasterError):
@@ -107,7 +120,7 @@ def test_segments_and_detail_map_p2p_endpoints_to_pods() -> None:
     names = parse_segments_body(_body(NEW["get_all_segments"]))
     assert names == [NEW["segment_hostname"]]
     detail = parse_segments_detail(_body(NEW["get_segments_detail"]))
-    (endpoint, segment), = detail.items()
+    ((endpoint, segment),) = detail.items()
     assert segment == names[0] and endpoint != segment  # P2PHANDSHAKE: another port
     seg = SegmentMap(names, detail)
     assert seg.ip_of(endpoint) == "127.0.0.2"
@@ -139,26 +152,44 @@ def test_captured_get_all_keys_bodies_are_newline_terminated() -> None:
         assert body.endswith(b"\n") and body.count(b"\n") == len(set(capture["keys"]))
 
 
-@pytest.mark.parametrize("body", [
-    b'{"success":true}', b'{"success":true,"data":null}', b'{"success":true,"data":{}}',
-    b'{"success":true,"data":[1]}', b'{"success":true,"data":["a:1"]}', b'{"success":"yes"}',
-    b'{"success":true,"data":[{"transport_endpoint_":"a:1"},null]}', b'[1,2]', b'"text"',
-    b'42', b'{"transport_endpoint_":"a:1"}\n[]\n', b'{"a":1}\nnot json\n',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"success":true}',
+        b'{"success":true,"data":null}',
+        b'{"success":true,"data":{}}',
+        b'{"success":true,"data":[1]}',
+        b'{"success":true,"data":["a:1"]}',
+        b'{"success":"yes"}',
+        b'{"success":true,"data":[{"transport_endpoint_":"a:1"},null]}',
+        b"[1,2]",
+        b'"text"',
+        b"42",
+        b'{"transport_endpoint_":"a:1"}\n[]\n',
+        b'{"a":1}\nnot json\n',
+    ],
+)
 def test_malformed_query_key_bodies_are_garbage(body: bytes) -> None:
     with pytest.raises(MasterError) as exc:
         parse_query_key_body(200, body)
     assert exc.value.reason == "garbage"
 
 
-@pytest.mark.parametrize("body", [
-    b'{"success":true,"data":null}', b'{"success":true,"data":[]}', b'{"success":1,"data":{}}',
-    b'{"success":true,"data":{"k":null}}', b'{"success":true,"data":{"k":[1]}}',
-    b'{"success":true,"data":{"k":{"ok":true,"values":[null]}}}',
-    b'{"success":true,"data":{"k":{"ok":true,"values":{"a":1}}}}',
-    b'{"success":true,"data":{"k":{"ok":true,"values":[],"local_disk_values":"x"}}}',
-    b'null', b'[{"success":true}]',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"success":true,"data":null}',
+        b'{"success":true,"data":[]}',
+        b'{"success":1,"data":{}}',
+        b'{"success":true,"data":{"k":null}}',
+        b'{"success":true,"data":{"k":[1]}}',
+        b'{"success":true,"data":{"k":{"ok":true,"values":[null]}}}',
+        b'{"success":true,"data":{"k":{"ok":true,"values":{"a":1}}}}',
+        b'{"success":true,"data":{"k":{"ok":true,"values":[],"local_disk_values":"x"}}}',
+        b"null",
+        b'[{"success":true}]',
+    ],
+)
 def test_malformed_batch_bodies_are_garbage(body: bytes) -> None:
     with pytest.raises(MasterError) as exc:
         parse_batch_body(body)
@@ -166,16 +197,19 @@ def test_malformed_batch_bodies_are_garbage(body: bytes) -> None:
 
 
 def test_null_or_non_string_endpoints_are_left_out() -> None:
-    body = (b'{"success":true,"data":[{"transport_endpoint_":null},'
-            b'{"transport_endpoint_":5},{"size_":1},{"transport_endpoint_":"a:1"}]}')
+    body = (
+        b'{"success":true,"data":[{"transport_endpoint_":null},'
+        b'{"transport_endpoint_":5},{"size_":1},{"transport_endpoint_":"a:1"}]}'
+    )
     assert parse_query_key_body(200, body) == ("a:1",)
     assert parse_query_key_body(200, b'{"transport_endpoint_":null}\n') == ()
-    batch = (b'{"success":true,"data":{"k":{"ok":true,"values":[{"transport_endpoint_":null}],'
-             b'"local_disk_values":[{"transport_endpoint":"b:2"},{"transport_endpoint":[]}]},'
-             b'"n":{"ok":true,"values":[{"transport_endpoint_":null}]}}}')
+    batch = (
+        b'{"success":true,"data":{"k":{"ok":true,"values":[{"transport_endpoint_":null}],'
+        b'"local_disk_values":[{"transport_endpoint":"b:2"},{"transport_endpoint":[]}]},'
+        b'"n":{"ok":true,"values":[{"transport_endpoint_":null}]}}}'
+    )
     assert parse_batch_body(batch) == {"k": ("b:2",), "n": ()}
-    assert parse_segments_detail(
-        b'{"segments":[{"te_endpoint":null,"segment_name":"s"}]}') == {}
+    assert parse_segments_detail(b'{"segments":[{"te_endpoint":null,"segment_name":"s"}]}') == {}
 
 
 def _lines(chunks: list[bytes], max_line: int = 8) -> tuple[list[bytes], Counter[str]]:
@@ -198,8 +232,7 @@ def test_a_body_without_newlines_is_streamed_in_bounded_memory() -> None:
     skipped: Counter[str] = Counter()
     tracemalloc.start()
     try:
-        out = [x for lines in split_lines([*(chunk,) * 1024, b"\nkey\n"], skipped)
-               for x in lines]
+        out = [x for lines in split_lines([*(chunk,) * 1024, b"\nkey\n"], skipped) for x in lines]
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -33,7 +33,7 @@ def rehash(sub: Sequence[bytes]) -> bytes:
 
 def coarse_hex(release: str, j: int) -> str:
     """The hex of coarse block ``j`` (hash units ``jK .. jK+K-1``) as ``release`` writes it."""
-    sub = DIGESTS[j * K:(j + 1) * K]
+    sub = DIGESTS[j * K : (j + 1) * K]
     if release == "v0.20.2rc1":
         return b"".join(sub).hex()  # vLLM BlockHashListWithBlockSize: concatenation
     if release == "v0.23.0":
@@ -42,8 +42,10 @@ def coarse_hex(release: str, j: int) -> str:
 
 
 def akey(group: int, head: int, hexdigest: str, family: str = "default") -> str:
-    return (f"M@pcp0@dcp0@head_or_tp_rank:{head}@pp_rank:0@group:{group}@cache_role:kv"
-            f"@cache_family:{family}@{hexdigest}")
+    return (
+        f"M@pcp0@dcp0@head_or_tp_rank:{head}@pp_rank:0@group:{group}@cache_role:kv"
+        f"@cache_family:{family}@{hexdigest}"
+    )
 
 
 def hybrid(release: str, swa_tail: bool = False, heads: tuple[int, ...] = (0, 1)) -> list[str]:
@@ -92,25 +94,32 @@ def test_rehashed_groups_are_counted_and_never_indexed(heads: tuple[int, ...]) -
 
 def test_one_rehashed_group_among_shared_ones_is_the_only_one_reported() -> None:
     index = MasterIndex(locate=False)
-    assert poll(index, hybrid("v0.23.0", swa_tail=True)) == {0: set(INTS),
-                                                             2: {INTS[6], INTS[7]}}
+    assert poll(index, hybrid("v0.23.0", swa_tail=True)) == {0: set(INTS), 2: {INTS[6], INTS[7]}}
     assert index.stats.unmappable == [("M", 1)] and index.stats.unmappable_group == 4
     # the next poll of a mappable release: nothing reported any more
     assert poll(index, hybrid("main", swa_tail=True)) == {
-        0: set(INTS), 1: {INTS[3], INTS[7]}, 2: {INTS[6], INTS[7]}}
+        0: set(INTS),
+        1: {INTS[3], INTS[7]},
+        2: {INTS[6], INTS[7]},
+    }
     assert index.stats.unmappable_group == 0
 
 
 def test_only_layouts_that_may_rehash_are_checked() -> None:
     """vLLM's in-tree connector and one-group layouts always carry block hashes: groups that
     share nothing (e.g. every full-attention key of the tail evicted) are still indexed."""
-    vllm = [f"M@tp_rank:0@pcp0@dcp0@pp_rank:0@group:{g}@{DIGESTS[i].hex()}"
-            for g, i in ((0, 0), (0, 1), (1, 5))]
+    vllm = [
+        f"M@tp_rank:0@pcp0@dcp0@pp_rank:0@group:{g}@{DIGESTS[i].hex()}"
+        for g, i in ((0, 0), (0, 1), (1, 5))
+    ]
     index = MasterIndex(locate=False)
     assert poll(index, vllm) == {0: {INTS[0], INTS[1]}, 1: {INTS[5]}}
     assert index.stats.unmappable_group == 0
-    c_lw = [f"M@pcp0@dcp0@head_or_tp_rank:0@group:{g}@cache_role:kv@cache_family:default"
-            f"@{DIGESTS[i].hex()}@0" for g, i in ((0, 0), (1, 5))]  # v0.20.2rc1 layer-wise
+    c_lw = [
+        f"M@pcp0@dcp0@head_or_tp_rank:0@group:{g}@cache_role:kv@cache_family:default"
+        f"@{DIGESTS[i].hex()}@0"
+        for g, i in ((0, 0), (1, 5))
+    ]  # v0.20.2rc1 layer-wise
     assert poll(index, c_lw) == {0: {INTS[0]}, 1: {INTS[5]}}
     assert index.stats.unmappable_group == 0
     one_group = [akey(0, 0, rehash(DIGESTS[:K]).hex())]  # nothing to compare it with

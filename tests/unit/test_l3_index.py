@@ -11,22 +11,30 @@ from services.l3_poller.index import Blocks, MasterIndex, SegmentMap
 HASHER = BlockHasher(HashSettings())
 DIGESTS = HASHER.digests(list(range(1, 1 + 16 * 6)), 16)  # 6 chained blocks
 INTS = HASHER.event_ints(list(range(1, 1 + 16 * 6)), 16)
-SEGS = SegmentMap(["10.0.0.1:12300", "10.0.0.2:12300"],
-                  {"10.0.0.1:15000": "10.0.0.1:12300", "10.0.0.2:15000": "10.0.0.2:12300"})
+SEGS = SegmentMap(
+    ["10.0.0.1:12300", "10.0.0.2:12300"],
+    {"10.0.0.1:15000": "10.0.0.1:12300", "10.0.0.2:15000": "10.0.0.2:12300"},
+)
 A, B = "10.0.0.1:15000", "10.0.0.2:15000"
 
 
 def key(block: int, tp: int = 0, group: int = 0, model: str = "Qwen") -> bytes:
-    return (f"{model}@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@"
-            f"{DIGESTS[block].hex()}").encode()
+    return (
+        f"{model}@tp_rank:{tp}@pcp0@dcp0@pp_rank:0@group:{group}@{DIGESTS[block].hex()}"
+    ).encode()
 
 
 def sets(blocks: Blocks) -> dict[str, set[int]]:
     return {ip: set(hashes) for ip, hashes in blocks.per_ip.items()}
 
 
-def poll(index: MasterIndex, where: Mapping[bytes, tuple[str, ...]],
-         segs: SegmentMap = SEGS, extra: tuple[bytes, ...] = (), now: float = 0.0) -> list[bytes]:
+def poll(
+    index: MasterIndex,
+    where: Mapping[bytes, tuple[str, ...]],
+    segs: SegmentMap = SEGS,
+    extra: tuple[bytes, ...] = (),
+    now: float = 0.0,
+) -> list[bytes]:
     """One poll over ``where`` (key → endpoints) plus unparsable lines; returns keys located."""
     index.begin(segs)
     asked = []
@@ -102,8 +110,10 @@ def test_groups_are_separate_sets_and_models_are_judged_separately() -> None:
     poll(index, where)
     blocks = index.blocks("segment")
     g0 = {INTS[b] for b in (0, 1, 2, 4, 5)}
-    assert group_sets(blocks) == {0: {"10.0.0.1": g0, "10.0.0.2": {INTS[4]}},
-                                  1: {"10.0.0.1": {INTS[2]}}}
+    assert group_sets(blocks) == {
+        0: {"10.0.0.1": g0, "10.0.0.2": {INTS[4]}},
+        1: {"10.0.0.1": {INTS[2]}},
+    }
     assert blocks.complete == 5 + 1 + 1 and blocks.groups[1].complete == 1
     pool = MasterIndex(locate=False)
     poll(pool, where)
@@ -187,8 +197,9 @@ def test_unquotable_keys_are_counted_not_queried() -> None:
 
 def test_memory_per_key_is_small() -> None:
     n = 50_000
-    lines = [f"M@tp_rank:{i % 2}@pcp0@dcp0@pp_rank:0@group:0@{i // 2:064x}".encode()
-             for i in range(n)]
+    lines = [
+        f"M@tp_rank:{i % 2}@pcp0@dcp0@pp_rank:0@group:0@{i // 2:064x}".encode() for i in range(n)
+    ]
     index = MasterIndex()
     tracemalloc.start()
     try:

@@ -21,10 +21,17 @@ def _load(tmp_path: Path, redis: dict[str, object], env: dict[str, str] | None =
 def test_keys_parse_and_secrets_come_from_the_environment(tmp_path: Path) -> None:
     ca = tmp_path / "ca.crt"
     ca.write_text("x")
-    cfg = _load(tmp_path, {"url": "redis://r:6379/0", "cluster": True, "username": "u",
-                           "healthCheckInterval": "5s", "tls": {"enabled": True,
-                                                                "caFile": str(ca)}},
-                env={"CACHE_INDEXER_REDIS_PASSWORD": "pw", "CACHE_INDEXER_REDIS_USERNAME": "acl"})
+    cfg = _load(
+        tmp_path,
+        {
+            "url": "redis://r:6379/0",
+            "cluster": True,
+            "username": "u",
+            "healthCheckInterval": "5s",
+            "tls": {"enabled": True, "caFile": str(ca)},
+        },
+        env={"CACHE_INDEXER_REDIS_PASSWORD": "pw", "CACHE_INDEXER_REDIS_USERNAME": "acl"},
+    )
     r = cfg.redis
     assert (r.cluster, r.username, r.password, r.health_check_interval) == (True, "acl", "pw", 5)
     url, options = client_options(r)
@@ -48,10 +55,22 @@ def test_plain_url_gets_no_tls_options(tmp_path: Path) -> None:
 
 def test_bad_redis_settings_are_all_reported(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        _load(tmp_path, {"url": "http://x", "cluster": "yes", "passwordFile": "/nope",
-                         "tls": {"caFile": "/nope/ca", "certFile": str(tmp_path / "c.yaml"),
-                                 "bogus": 1}})
+        _load(
+            tmp_path,
+            {
+                "url": "http://x",
+                "cluster": "yes",
+                "passwordFile": "/nope",
+                "tls": {"caFile": "/nope/ca", "certFile": str(tmp_path / "c.yaml"), "bogus": 1},
+            },
+        )
     text = str(err.value)
-    for part in ("redis.url", "redis.cluster", "redis.passwordFile", "redis.tls.caFile",
-                 "redis.tls.bogus: unknown key", "certFile and keyFile go together"):
+    for part in (
+        "redis.url",
+        "redis.cluster",
+        "redis.passwordFile",
+        "redis.tls.caFile",
+        "redis.tls.bogus: unknown key",
+        "certFile and keyFile go together",
+    ):
         assert part in text

@@ -9,8 +9,9 @@ from services.api.request_frame import RequestFrame
 HEAD = b"POST /kv-cache/hit-rate?x=1 HTTP/1.1\r\nHost: a\r\n"
 
 
-def _feed_bytewise(data: bytes, header_cap: int = 8192, body_cap: int = 100) -> tuple[
-        RequestFrame, int]:
+def _feed_bytewise(
+    data: bytes, header_cap: int = 8192, body_cap: int = 100
+) -> tuple[RequestFrame, int]:
     """Feed one byte at a time; return the frame and the length at which it completed."""
     frame = RequestFrame(header_cap, body_cap)
     for i in range(1, len(data) + 1):
@@ -52,12 +53,15 @@ def test_bodies_over_the_cap_are_not_buffered() -> None:
     assert chunked[:at].count(b"y") == 101
 
 
-@pytest.mark.parametrize("headers", [
-    b"Content-Length: 5\r\nContent-Length: 6\r\n",
-    b"Content-Length: x\r\n",
-    b"Transfer-Encoding: gzip\r\n",
-    b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"Content-Length: 5\r\nContent-Length: 6\r\n",
+        b"Content-Length: x\r\n",
+        b"Transfer-Encoding: gzip\r\n",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+    ],
+)
 def test_unframeable_requests_are_handed_over_at_the_end_of_the_headers(headers: bytes) -> None:
     data = HEAD + headers + b"\r\n"
     assert _feed_bytewise(data + b"more")[1] == len(data)

@@ -18,8 +18,16 @@ VLLM_ONLY = {"make_vllm_event_vectors", "make_vllm_hash_vectors"}
 def test_every_script_imports() -> None:
     names = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem not in VLLM_ONLY)
     assert "bench_api_stalls" in names and "bench_util" in names
-    code = ("import importlib, sys\nsys.path.insert(0, 'scripts')\n"
-            f"for name in {names!r}:\n    importlib.import_module(name)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+    code = (
+        "import importlib, sys\nsys.path.insert(0, 'scripts')\n"
+        f"for name in {names!r}:\n    importlib.import_module(name)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

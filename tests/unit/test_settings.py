@@ -128,12 +128,19 @@ def test_discovery_settings_take_the_original_cross_section_keys(cfg: Config) ->
     assert (d.mode, d.namespace, d.kubeconfig) == ("static", "team-a", "/k/config")
     assert (d.refresh_interval, d.lease_ttl) == (7.0, 20.0)
     assert (d.labels.engine_key, d.labels.engine_value, d.labels.pd_role_value) == (
-        "e.io/engine", "vllm2", ["prefill"])
+        "e.io/engine",
+        "vllm2",
+        ["prefill"],
+    )
     assert (d.labels.kv_manager_key, d.labels.kv_manager_value) == ("e.io/kv", "mc")
     assert (d.vllm.zmq_port_name, d.vllm.zmq_port, d.vllm.data_parallel_size) == ("zmq", 6000, 2)
     mm = d.mooncake_master
     assert (mm.http_port_name, mm.rpc_port_name, mm.http_port, mm.rpc_port) == (
-        "web", "grpc", 9004, 50051)
+        "web",
+        "grpc",
+        9004,
+        50051,
+    )
     assert d.static.vllm[0].ip == "10.0.0.1"
     assert d.static.mooncake_masters[0].url == "http://10.0.0.9:9003"
     # the Go original's meanings: ingest.l1.backoff* is every watcher's reconnect backoff,
@@ -144,28 +151,51 @@ def test_discovery_settings_take_the_original_cross_section_keys(cfg: Config) ->
 
 def test_l1_ingest_settings(cfg: Config) -> None:
     assert L1IngestSettings.from_config(cfg) == L1IngestSettings(
-        topic="kv", on_unrecoverable_gap="clear", shard_mode="static", lease_ttl=8.0,
-        heartbeat_interval=2.0, replay_timeout=6.0, backoff_initial=2.0, backoff_max=40.0,
-        hash_check_rate=7, no_events_after=45.0,
-        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)))
+        topic="kv",
+        on_unrecoverable_gap="clear",
+        shard_mode="static",
+        lease_ttl=8.0,
+        heartbeat_interval=2.0,
+        replay_timeout=6.0,
+        backoff_initial=2.0,
+        backoff_max=40.0,
+        hash_check_rate=7,
+        no_events_after=45.0,
+        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
+    )
 
 
 def test_l3_poller_settings_take_the_segment_query_timeout(cfg: Config) -> None:
     assert L3PollerSettings.from_config(cfg) == L3PollerSettings(
-        scheme="https", poll_interval=4.0, http_timeout=3.0,
+        scheme="https",
+        poll_interval=4.0,
+        http_timeout=3.0,
         segments_timeout=1.5,  # discovery.segmentsFetchTimeout in the original
-        scope="pool", stale_after=90.0, batch_size=50, key_formats=("vllm",),
-        models=(L3Model(name="org/Qwen", heads=2),))
+        scope="pool",
+        stale_after=90.0,
+        batch_size=50,
+        key_formats=("vllm",),
+        models=(L3Model(name="org/Qwen", heads=2),),
+    )
 
 
 def test_api_settings(cfg: Config) -> None:
     assert ApiSettings.from_config(cfg) == ApiSettings(
-        addr="127.0.0.1:18080", workers=3, threads=5, shutdown_timeout=11.0,
-        read_header_timeout=12.0, read_timeout=31.0, write_timeout=32.0, idle_timeout=121.0,
-        max_header_bytes=65536, max_hit_rate_body_bytes=1000000, max_candidates=64,
+        addr="127.0.0.1:18080",
+        workers=3,
+        threads=5,
+        shutdown_timeout=11.0,
+        read_header_timeout=12.0,
+        read_timeout=31.0,
+        write_timeout=32.0,
+        idle_timeout=121.0,
+        max_header_bytes=65536,
+        max_hit_rate_body_bytes=1000000,
+        max_candidates=64,
         hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
         instance_limits=Limits(no_events_after=45.0, lease_ttl=8.0, vllm_version=(0, 18, 0)),
-        log_level="debug")
+        log_level="debug",
+    )
 
 
 def test_an_unusable_block_key_is_refused_at_the_edge(tmp_path: Path) -> None:
@@ -186,9 +216,11 @@ def test_hybrid_settings_per_model(tmp_path: Path) -> None:
     """``ingest.l1.models`` overrides the unit and chunk size for the instances of a model,
     matched as written or by basename; others get the defaults."""
     path = tmp_path / "c.yaml"
-    path.write_text("ingest:\n  l1:\n    prefixMatchUnit: 32\n    models:\n"
-                    "      - {name: Qwen/Qwen3.5-4B, prefixMatchUnit: 16}\n"
-                    "      - {name: llama4, attentionChunkSize: 8192}\n")
+    path.write_text(
+        "ingest:\n  l1:\n    prefixMatchUnit: 32\n    models:\n"
+        "      - {name: Qwen/Qwen3.5-4B, prefixMatchUnit: 16}\n"
+        "      - {name: llama4, attentionChunkSize: 8192}\n"
+    )
     s = L1IngestSettings.from_config(load_config(path))
     assert s.hybrid_settings("Qwen/Qwen3.5-4B") == (16, 0)
     assert s.hybrid_settings("/models/Qwen3.5-4B") == (16, 0)
@@ -198,12 +230,18 @@ def test_hybrid_settings_per_model(tmp_path: Path) -> None:
 
 def test_hybrid_settings_are_validated(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("ingest:\n  l1:\n    attentionChunkSize: -1\n    models:\n"
-                    "      - {name: m, prefixMatchUnit: -16}\n      - {name: m}\n"
-                    "      - {prefixMatchUnit: 16}\n")
+    path.write_text(
+        "ingest:\n  l1:\n    attentionChunkSize: -1\n    models:\n"
+        "      - {name: m, prefixMatchUnit: -16}\n      - {name: m}\n"
+        "      - {prefixMatchUnit: 16}\n"
+    )
     with pytest.raises(ConfigError) as err:
         load_config(path)
     text = str(err.value)
-    for problem in ("ingest.l1.attentionChunkSize", "ingest.l1.models[0].prefixMatchUnit",
-                    "ingest.l1.models[1].name: 'm' is listed twice", "ingest.l1.models[2].name"):
+    for problem in (
+        "ingest.l1.attentionChunkSize",
+        "ingest.l1.models[0].prefixMatchUnit",
+        "ingest.l1.models[1].name: 'm' is listed twice",
+        "ingest.l1.models[2].name",
+    ):
         assert problem in text, text

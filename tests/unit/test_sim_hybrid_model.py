@@ -40,10 +40,12 @@ def held(m: HybridCacheModel, r: Request) -> list[list[int]]:
 
 
 def test_shapes_number_groups_as_the_real_engine() -> None:
-    kinds = {name: [(g.kind, g.sliding_window) for g in groups]
-             for name, groups in SHAPES.items()}
-    assert kinds["gemma3"] == [("sliding_window", 64), ("sliding_window", 64),
-                               ("full_attention", None)]
+    kinds = {name: [(g.kind, g.sliding_window) for g in groups] for name, groups in SHAPES.items()}
+    assert kinds["gemma3"] == [
+        ("sliding_window", 64),
+        ("sliding_window", 64),
+        ("full_attention", None),
+    ]
     assert kinds["qwen3next"] == [("mamba", None), ("full_attention", None)]
     assert kinds["gptoss"] == [("sliding_window", 128), ("full_attention", None)]
     assert kinds["dense"] == [("full_attention", None)]
@@ -61,8 +63,10 @@ def test_sliding_window_keeps_only_the_tail_before_the_last_token() -> None:
         assert store.block_hashes == hashes[2:6]
         assert store.token_ids == list(r.token_ids[:96])  # every new full block's tokens
         assert store.parent_block_hash is None  # the span starts at token 0
-        assert (store.kv_cache_spec_kind, store.kv_cache_spec_sliding_window) == \
-            ("sliding_window", 64)
+        assert (store.kv_cache_spec_kind, store.kv_cache_spec_sliding_window) == (
+            "sliding_window",
+            64,
+        )
     assert fa.block_hashes == hashes[:6] and fa.kv_cache_spec_sliding_window is None
     assert [s.group_idx for s in (swa0, swa1, fa)] == [0, 1, 2]
     assert {s.block_size for s in (swa0, swa1, fa)} == {B}
@@ -121,8 +125,10 @@ def test_mamba_keeps_one_state_per_prefill_chunk() -> None:
     chunked = model("qwen3next", chunk=32)
     events = chunked.step([r])
     assert held(chunked, r) == [[1, 3, 5], [0, 1, 2, 3, 4, 5]]
-    assert [(s.group_idx, len(s.block_hashes), len(s.token_ids)) for s in stores(events)] == \
-        [(0, 1, 32), (1, 2, 32)] * 3  # one store per group per chunk, group order
+    assert [(s.group_idx, len(s.block_hashes), len(s.token_ids)) for s in stores(events)] == [
+        (0, 1, 32),
+        (1, 2, 32),
+    ] * 3  # one store per group per chunk, group order
     assert stores(events)[2].parent_block_hash == hashes[1]
 
 
@@ -158,7 +164,11 @@ def test_eviction_removes_per_group_with_group_idx_and_class_members_differ() ->
     removes = [e for e in events if isinstance(e, BlockRemoved)]
     hashes = m.hashes(r)
     assert [(e.group_idx, e.block_hashes) for e in removes] == [
-        (0, [hashes[5]]), (0, [hashes[4]]), (0, [hashes[3]]), (0, [hashes[2]])]
+        (0, [hashes[5]]),
+        (0, [hashes[4]]),
+        (0, [hashes[3]]),
+        (0, [hashes[2]]),
+    ]
     assert all(e.medium == "GPU" for e in removes)
     assert held(m, r) == [[], [2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
     assert m.hit_tokens(r) == 0
@@ -215,5 +225,8 @@ def test_older_mamba_states_are_freed_while_the_prefill_goes_on() -> None:
     assert held(m, r) == [[1, 3, 5], [0, 1, 2, 3, 4, 5]]
     events = m.step([prompt(20, start=9000)])  # 2 chunks: 2 Mamba + 2 FA blocks
     hashes = m.hashes(r)
-    assert [(e.group_idx, e.block_hashes) for e in events if isinstance(e, BlockRemoved)] == \
-        [(0, [hashes[1]]), (0, [hashes[3]]), (0, [hashes[5]])]
+    assert [(e.group_idx, e.block_hashes) for e in events if isinstance(e, BlockRemoved)] == [
+        (0, [hashes[1]]),
+        (0, [hashes[3]]),
+        (0, [hashes[5]]),
+    ]

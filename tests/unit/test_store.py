@@ -191,7 +191,7 @@ def test_prefix_lengths_of_many_candidates_written_in_several_pieces(store: Stor
     ips = [f"10.3.0.{i}" for i in range(60)]
     for i, ip in enumerate(ips):
         gen = _register(store, ip=ip, uid=f"u{i}")
-        store.apply_batch(ip, gen, 0, 0, _ops(("S", "l1", [int(m) for m in members[:i * 30]])))
+        store.apply_batch(ip, gen, 0, 0, _ops(("S", "l1", [int(m) for m in members[: i * 30]])))
         store.replace_l3(ip, [int(m) for m in members[: 2000 - i]])
     got = store.prefix_lengths(ips + ips[:3], members)
     expected = [(i * 30, 2000 - i) for i in range(60)]
@@ -288,16 +288,19 @@ def test_owner_checked_write_after_a_container_restart_is_refused(store: Store) 
     result, new_gen = store.upsert_instance(Instance(ip=IP, uid="uid-1", restarts="1", dp_size=2))
     assert result == "restarted" and new_gen > gen
     for rank, reset in ((0, False), (0, True), (1, False)):
-        res = store.apply_batch(IP, gen, rank, 5, _ops(("S", "l1", [9])), owner="ingester-a",
-                                reset=reset)
+        res = store.apply_batch(
+            IP, gen, rank, 5, _ops(("S", "l1", [9])), owner="ingester-a", reset=reset
+        )
         assert (res.status, res.stored, res.cleared) == ("stale_gen", 0, 0)
     assert store.tier_members(IP) == set() and store.tier_counts(IP) == {}
     assert store.l1_state(IP) == {}
     # The lease holder at the new generation writes; another holder is still refused.
     res = store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])), owner="ingester-b")
     assert res.status == "not_owner"
-    assert store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])),
-                             owner="ingester-a").status == "applied"
+    assert (
+        store.apply_batch(IP, new_gen, 0, 0, _ops(("S", "l1", [5])), owner="ingester-a").status
+        == "applied"
+    )
     assert store.tier_members(IP) == {5}
 
 
@@ -306,8 +309,9 @@ def test_clearing_a_rank_subtracts_exactly_its_own_copies(store: Store, how: str
     """Hash 7 is held twice by rank 0 and once by rank 1 (DP ranks share the instance's
     set): clearing rank 0 must subtract its two copies, leaving rank 1's one."""
     gen = _register(store, dp_size=2)
-    store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [7, 8]), ("S", "l1", [7]),
-                                          ("S", "l2", [5, 5])))
+    store.apply_batch(
+        IP, gen, 0, 0, _ops(("S", "l1", [7, 8]), ("S", "l1", [7]), ("S", "l2", [5, 5]))
+    )
     store.apply_batch(IP, gen, 1, 0, _ops(("S", "l1", [7]), ("S", "l2", [5])))
     assert store.tier_counts(IP) == {7: 3, 8: 1}
     assert store.tier_counts(IP, "l2") == {5: 3}
@@ -376,9 +380,16 @@ def test_renewing_a_lease_extends_it_and_only_its_holder_releases_it(store: Stor
 
 
 def test_instance_round_trips_through_the_registry(store: Store) -> None:
-    inst = Instance(ip=IP, uid="u-1", pod="vllm-0", zmq_endpoint="tcp://10.0.0.5:5557",
-                    replay_endpoint="tcp://10.0.0.5:5558", dp_size=4, role="prefill",
-                    restarts="3")
+    inst = Instance(
+        ip=IP,
+        uid="u-1",
+        pod="vllm-0",
+        zmq_endpoint="tcp://10.0.0.5:5557",
+        replay_endpoint="tcp://10.0.0.5:5558",
+        dp_size=4,
+        role="prefill",
+        restarts="3",
+    )
     _, gen = store.upsert_instance(inst)
     assert store.get_instance(IP) == dataclasses.replace(inst, gen=gen)
     assert store.list_instances() == [dataclasses.replace(inst, gen=gen)]
@@ -400,10 +411,19 @@ def test_writes_use_exactly_the_documented_keys(store: Store) -> None:
     ops.store("l1", [6, 6], group=2)
     store.apply_batch(IP, gen, 0, 1, ops)
     store.replace_l3(IP, {0: [5], 3: [7]}, {"master": "m"}, gen=gen)
-    expected = {keys.INSTANCES, keys.instance_meta(IP), keys.instance_gen(IP), keys.l1_state(IP),
-                keys.l1_owner(IP), keys.l3_set(IP), keys.l3_state(IP), keys.l1_groups(IP),
-                keys.tier_group_set(IP, "l1", 2), keys.tier_group_copies(IP, "l1", 2),
-                keys.l3_group_set(IP, 3)}
+    expected = {
+        keys.INSTANCES,
+        keys.instance_meta(IP),
+        keys.instance_gen(IP),
+        keys.l1_state(IP),
+        keys.l1_owner(IP),
+        keys.l3_set(IP),
+        keys.l3_state(IP),
+        keys.l1_groups(IP),
+        keys.tier_group_set(IP, "l1", 2),
+        keys.tier_group_copies(IP, "l1", 2),
+        keys.l3_group_set(IP, 3),
+    }
     for tier in ("l1", "l2"):  # rank 1's copies: the sparse copies hash, no per-rank keys
         expected |= {keys.tier_set(IP, tier), keys.tier_copies(IP, tier)}
     assert {k.decode() for k in store.r.keys("*")} == expected

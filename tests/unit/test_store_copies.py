@@ -139,8 +139,7 @@ def test_legacy_layout_is_dropped_and_the_generation_moves_on(store: Store) -> N
     assert store.apply_batch(IP, gen, 0, 11, ops).status == "stale_gen"
     inst = store.get_instance(IP)
     assert inst is not None and inst.gen > gen
-    assert not store.r.exists(keys.tier_set(IP), keys.tier_counts(IP),
-                              keys.tier_rank_counts(IP, 0))
+    assert not store.r.exists(keys.tier_set(IP), keys.tier_counts(IP), keys.tier_rank_counts(IP, 0))
     assert list(store.l1_state(IP)) == ["reset_reason"], "the cursor is gone, the reason kept"
     assert store.apply_batch(IP, gen, 0, 0, ops).status == "stale_gen", "old gen stays fenced"
     assert store.apply_batch(IP, inst.gen, 0, 0, ops).status == "applied"

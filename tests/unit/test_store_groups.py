@@ -24,8 +24,11 @@ def _register(store: Store, dp_size: int = 1) -> int:
 def _gemma_batch(hashes: list[int]) -> TierOps:
     """Groups 0 and 1 sliding window (64), group 2 full attention, as vLLM numbers Gemma 3."""
     ops = TierOps()
-    for g, kind, window in ((0, "sliding_window", 64), (1, "sliding_window", 64),
-                            (2, "full_attention", None)):
+    for g, kind, window in (
+        (0, "sliding_window", 64),
+        (1, "sliding_window", 64),
+        (2, "full_attention", None),
+    ):
         ops.describe(g, kind, 32, window)
         ops.store("l1", hashes if kind == "full_attention" else hashes[-2:], group=g)
     return ops
@@ -39,9 +42,14 @@ def test_each_group_has_its_own_set_and_descriptor(store: Store) -> None:
     assert store.tier_members(IP, "l1", 2) == {1, 2, 3, 4}
     assert store.tier_members(IP, "l1", 0) == store.tier_members(IP, "l1", 1) == {3, 4}
     assert store.tier_members(IP) == {3, 4}  # group 0 is today's key
-    assert store.groups(IP) == {"0": "sliding_window,32,64,32", "1": "sliding_window,32,64,32",
-                                "2": "full_attention,32,,32", "h_cfg": "0", "chunk": "0",
-                                "dp": "1"}
+    assert store.groups(IP) == {
+        "0": "sliding_window,32,64,32",
+        "1": "sliding_window,32,64,32",
+        "2": "full_attention,32,,32",
+        "h_cfg": "0",
+        "chunk": "0",
+        "dp": "1",
+    }
     ops = TierOps()
     ops.remove("l1", [3], group=1)
     store.apply_batch(IP, gen, 0, 1, ops)
@@ -65,8 +73,9 @@ def test_block_sizes_widen_and_a_missing_kind_is_filled(store: Store) -> None:
 
 
 @pytest.mark.parametrize("kind, window", [("mamba", None), ("sliding_window", 128)])
-def test_a_changed_descriptor_resets_the_instance(store: Store, kind: str,
-                                                  window: int | None) -> None:
+def test_a_changed_descriptor_resets_the_instance(
+    store: Store, kind: str, window: int | None
+) -> None:
     gen = _register(store)
     store.apply_batch(IP, gen, 0, 0, _gemma_batch([1, 2, 3]))
     store.replace_l3(IP, [1], {"master": "m"}, gen=gen)
@@ -134,19 +143,26 @@ def test_dropping_an_instance_drops_every_group_of_every_tier(store: Store) -> N
     store.apply_batch(IP, gen, 0, 0, ops)
     store.replace_l3(IP, {0: [1], 2: [1, 2]}, {"master": "m"}, gen=gen)
     store.remove_instance(IP)
-    assert [k for k in store.r.keys("*") if b"{" + IP.encode() + b"}" in k and
-            not k.endswith(b":gen")] == []
+    assert [
+        k for k in store.r.keys("*") if b"{" + IP.encode() + b"}" in k and not k.endswith(b":gen")
+    ] == []
 
 
 def test_replace_l3_writes_and_deletes_group_sets(store: Store) -> None:
     gen = _register(store)
     assert store.replace_l3(IP, {0: [1, 2], 1: [2], 3: [1]}, {"master": "m"}, gen=gen)
-    assert (store.l3_members(IP), store.l3_members(IP, 1), store.l3_members(IP, 3)) == \
-        ({1, 2}, {2}, {1})
+    assert (store.l3_members(IP), store.l3_members(IP, 1), store.l3_members(IP, 3)) == (
+        {1, 2},
+        {2},
+        {1},
+    )
     assert store.l3_state(IP)["groups"] == "0,1,3"
     assert store.replace_l3(IP, {0: [1], 1: []}, {"master": "m"}, gen=gen)
-    assert (store.l3_members(IP), store.l3_members(IP, 1), store.l3_members(IP, 3)) == \
-        ({1}, set(), set())
+    assert (store.l3_members(IP), store.l3_members(IP, 1), store.l3_members(IP, 3)) == (
+        {1},
+        set(),
+        set(),
+    )
     assert store.l3_state(IP)["groups"] == "0,1"
     assert store.replace_l3(IP, [4])  # a plain iterable is group 0 alone
     assert store.l3_state(IP)["groups"] == "0"

@@ -67,8 +67,12 @@ def zmq_payloads() -> list[tuple[str, int, bytes, list[Any]]]:
     """(capture name, seq, payload, plain msgpack decoding) of every live frame captured."""
     captures = golden()["versions"]["0.28.0"]["zmq_capture"]
     return [
-        (name, frame["seq"], bytes.fromhex(frame["frames_hex"][2]),
-         frame["payload_decoded_plain_msgpack"])
+        (
+            name,
+            frame["seq"],
+            bytes.fromhex(frame["frames_hex"][2]),
+            frame["payload_decoded_plain_msgpack"],
+        )
         for name, capture in captures.items()
         for frame in capture["live_frames"]
     ]
