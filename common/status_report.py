@@ -234,6 +234,7 @@ def _master(url: str, state: dict[str, str], now_ms: int) -> dict[str, Any]:
         "keys": _int(state.get("keys")) if state else None,
         "keys_unparsed": _int(state.get("keys_unparsed")) if state else None,
         "sample_unparsed": state.get("sample_unparsed") or None,
+        "keys_unmappable_group": _int(state.get("keys_unmappable_group")) if state else None,
         "blocks": _int(state.get("blocks")) if state else None,
         "age_s": _age(state.get("updated_ms"), now_ms),
         "stale": state.get("stale") == "1",

@@ -120,6 +120,12 @@ def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
         "keys of the master's last listing that parse as no known family",
         labels=("url",),
     )
+    unmappable = GaugeMetricFamily(
+        "cache_indexer_master_keys_unmappable_group",
+        "keys of the master's last listing in KV-cache groups whose hashes are not vLLM block"
+        " hashes (indexed nowhere)",
+        labels=("url",),
+    )
     age = GaugeMetricFamily(
         "cache_indexer_master_poll_age_seconds",
         "seconds since the master was last polled successfully",
@@ -135,7 +141,8 @@ def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
         if m["keys"] is not None:
             keys.add_metric((url,), m["keys"])
             unparsed.add_metric((url,), m["keys_unparsed"])
+            unmappable.add_metric((url,), m["keys_unmappable_group"])
         if m["age_s"] is not None:
             age.add_metric((url,), m["age_s"])
         stale.add_metric((url,), 1 if m["stale"] else 0)
-    return [keys, unparsed, age, stale]
+    return [keys, unparsed, unmappable, age, stale]

@@ -46,7 +46,16 @@ _INSTANCE_COLS = (
     "KV_GROUPS",
     "NOTE",
 )
-_MASTER_COLS = ("MASTER", "KEYS", "UNPARSED", "SAMPLE_UNPARSED", "AGE", "STALE", "ERROR")
+_MASTER_COLS = (
+    "MASTER",
+    "KEYS",
+    "UNPARSED",
+    "SAMPLE_UNPARSED",
+    "UNMAPPABLE_GROUP",
+    "AGE",
+    "STALE",
+    "ERROR",
+)
 
 
 _PROG = "cache-indexer inspect"
@@ -152,6 +161,7 @@ def _master_row(m: dict[str, Any]) -> list[str]:
         _num(m["keys"]),
         _num(m["keys_unparsed"]),
         m["sample_unparsed"] or "-",
+        _num(m["keys_unmappable_group"]),
         _secs(m["age_s"]),
         "yes" if m["stale"] else "no",
         m["error"] or "-",
@@ -161,7 +171,7 @@ def _master_row(m: dict[str, Any]) -> list[str]:
 def _master_problem(m: dict[str, Any]) -> str:
     if m["stale"] or m["error"] or m["keys"] is None:
         return _RED
-    return _YELLOW if m["keys_unparsed"] else ""
+    return _YELLOW if m["keys_unparsed"] or m["keys_unmappable_group"] else ""
 
 
 def _table(cols: tuple[str, ...], rows: list[tuple[list[str], str]], color: bool) -> str:

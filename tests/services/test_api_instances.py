@@ -76,6 +76,7 @@ def populate(store: Store) -> None:
             "keys": "10",
             "keys_unparsed": "2",
             "sample_unparsed": "weird-key",
+            "keys_unmappable_group": "3",
             "blocks": "2",
             "updated_ms": str(now - 1000),
             "stale": "0",
@@ -123,12 +124,22 @@ def test_document_shape(any_store: Store) -> None:
     assert b["l3"] == {"blocks": None, "age_s": None, "stale": False, "master": None}
     (m,) = doc["masters"]
     assert {
-        k: m[k] for k in ("url", "keys", "keys_unparsed", "sample_unparsed", "stale", "error")
+        k: m[k]
+        for k in (
+            "url",
+            "keys",
+            "keys_unparsed",
+            "sample_unparsed",
+            "keys_unmappable_group",
+            "stale",
+            "error",
+        )
     } == {
         "url": URL,
         "keys": 10,
         "keys_unparsed": 2,
         "sample_unparsed": "weird-key",
+        "keys_unmappable_group": 3,
         "stale": False,
         "error": None,
     }
@@ -222,6 +233,7 @@ def test_metrics_show_instance_states_and_master_keys(any_store: Store) -> None:
         'cache_indexer_instance_l1_hash_check{result="mismatch",server_ip="10.0.0.5"} 1.0' in text
     )
     assert f'cache_indexer_master_keys_unparsed{{url="{URL}"}} 2.0' in text
+    assert f'cache_indexer_master_keys_unmappable_group{{url="{URL}"}} 3.0' in text
     assert 'cache_indexer_instance_blocks{server_ip="10.0.0.5",tier="l3"} 2.0' in text
 
 

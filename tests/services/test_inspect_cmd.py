@@ -49,7 +49,7 @@ def test_table_has_one_line_per_instance_and_master(
     b = next(line for line in lines if line.startswith("10.0.0.6"))
     assert "unassigned" in b and "no ingester has reported on it" in b
     m = next(line for line in lines if line.startswith(URL))
-    assert m.split()[1:4] == ["10", "2", "weird-key"]
+    assert m.split()[1:5] == ["10", "2", "weird-key", "3"]
     assert "\033[" not in out.getvalue()  # not a terminal: no colour
 
 
