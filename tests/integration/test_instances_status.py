@@ -233,6 +233,7 @@ def test_unknown_l3_keys_are_counted_with_a_sample(redis_client: redis.Redis) ->
             "keys": 120,
             "keys_unparsed": 20,
             "sample_unparsed": "tenantX/blk/0001",
+            "keys_unmappable_group": 0,
             "blocks": 25,
             "age_s": doc["masters"][0]["age_s"],
             "stale": False,
