@@ -4,7 +4,8 @@
 registry (``ci:instances``, ``ci:masters``), the live ingesters, Redis ``TIME`` and, for
 every instance and master it already knows, their status hashes. Registry members it did not
 know yet (new since this reader's previous call) cost one more round trip for those members
-only. No Lua: the reads stay valid on a Redis Cluster.
+only. No Lua: the reads stay valid on a Redis Cluster, whose pipelines refuse ``TIME``: there
+it is one more call, to one node (tests/integration/test_status_cluster.py).
 
 :func:`build_report` turns the raw hashes into the document; ``l1.state`` is, first match wins:
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import redis
 
 from common import group_view, keys
 from common.redis_client import Client, text, text_dict
@@ -94,13 +96,17 @@ class StatusReader:
         self._urls: list[str] = []
 
     def read(self) -> Raw:
+        cluster = not isinstance(self.r, redis.Redis)
         pipe = self.r.pipeline(transaction=False)
-        pipe.time()
+        if not cluster:
+            pipe.time()
         pipe.smembers(keys.INSTANCES)
         pipe.hkeys(keys.MASTERS)
         pipe.zrange(keys.INGESTERS, 0, -1, withscores=True)
         self._queue(pipe, self._ips, self._urls)
         replies = pipe.execute()
+        if cluster:  # a cluster pipeline refuses TIME (redis-py): it is asked of one node
+            replies.insert(0, self.r.time())
         (sec, usec), ips, urls, live = replies[:4]
         raw = Raw(int(sec) * 1000 + int(usec) // 1000, {text(m): int(score) for m, score in live})
         ips, urls = sorted(map(text, ips)), sorted(map(text, urls))

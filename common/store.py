@@ -328,15 +328,19 @@ class Store:
 
     def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]:
         """Write the ingester's status of several instances in one pipeline, each fenced by
-        generation and owner like :meth:`apply_batch`; False where it was refused."""
-        pipe = self.r.pipeline(transaction=False)
+        generation and owner like :meth:`apply_batch`; False where it was refused. A Redis
+        Cluster refuses scripts in pipelines (redis-py): there, one call per instance."""
+        cluster = not isinstance(self.r, redis.Redis)
+        pipe: Any = None if cluster else self.r.pipeline(transaction=False)
+        done: list[Any] = []
         for u in updates:
             argv: list[Any] = [*_rank_prefixes(u.ip), u.gen, u.owner, len(u.fields)]
             for pairs in (u.fields, u.incr):
                 for k, v in pairs.items():
                     argv += [k, v]
-            self._l1_status(keys=_instance_keys(u.ip), args=argv, client=pipe)
-        return [bool(int(r)) for r in pipe.execute()] if updates else []
+            done.append(self._l1_status(keys=_instance_keys(u.ip), args=argv, client=pipe))
+        replies = done if cluster else (pipe.execute() if updates else [])
+        return [bool(int(r)) for r in replies]
 
     def last_seq(self, ip: str, rank: int) -> int | None:
         value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")

@@ -189,6 +189,20 @@ def _answers_match(api: int, fleet: Fleet, store: Store) -> bool:
     return True
 
 
+def _status_synced(api: int, ips: list[str]) -> bool:
+    """The API's status view on the cluster: 200, every instance ``synced``, and the same in
+    the per-instance state gauge."""
+    doc = httpx.get(f"http://127.0.0.1:{api}/kv-cache/instances", timeout=5)
+    if doc.status_code != 200:
+        return False
+    states = {i["server_ip"]: i["l1"]["state"] for i in doc.json()["instances"]}
+    metrics = httpx.get(f"http://127.0.0.1:{api}/metrics", timeout=5).text
+    return states == dict.fromkeys(ips, "synced") and all(
+        f'cache_indexer_instance_l1_state{{server_ip="{ip}",state="synced"}} 1.0' in metrics
+        for ip in ips
+    )
+
+
 def test_every_process_on_a_cluster_survives_a_node_restart(
     cluster: Cluster,
     tmp_path: Path,
@@ -221,6 +235,12 @@ def test_every_process_on_a_cluster_survives_a_node_restart(
             what="API answers = simulators' caches and master's blocks",
         )
         assert any(fleet.l3.values()) and all(store.tier_members(ip) for ip in ips)
+        wait_for(
+            lambda: _status_synced(api, ips),
+            timeout=30,
+            what="/kv-cache/instances and /metrics: every instance synced (its ingester's "
+            "status written on the cluster)",
+        )
 
         victim = next(
             i for i, n in enumerate(cluster.nodes) if n.port != cluster.nodes[1].port
