@@ -9,7 +9,9 @@ are reported together in one :class:`~common.errors.ConfigError` naming each key
 
 A few environment variables override the file: ``CACHE_INDEXER_REDIS_URL`` (redis.url),
 ``CACHE_INDEXER_REDIS_USERNAME`` / ``CACHE_INDEXER_REDIS_PASSWORD`` (redis.username/password,
-e.g. from a Kubernetes Secret),
+e.g. from a Kubernetes Secret), ``CACHE_INDEXER_REDIS_SENTINEL_ADDRESSES`` (comma-separated
+host:port), ``CACHE_INDEXER_REDIS_SENTINEL_MASTER_NAME`` and
+``CACHE_INDEXER_REDIS_SENTINEL_PASSWORD`` (redis.sentinel.*),
 ``POD_NAMESPACE`` (discovery.namespace, when the file leaves it empty), ``LOG_LEVEL``.
 """
 
@@ -101,6 +103,20 @@ class RedisTLS:
 
 
 @dataclass
+class RedisSentinel:
+    """Redis Sentinel: where the sentinels are and which master they watch. The data nodes
+    use ``redis.url``'s database and the data node's ``username``/``password``/``tls``; the
+    sentinels have their own credentials and TLS (they are often set up apart)."""
+
+    addresses: list[str] = _f(list)
+    master_name: str = ""
+    username: str = ""
+    password: str = ""
+    password_file: str = ""
+    tls: RedisTLS = _f(RedisTLS)
+
+
+@dataclass
 class Redis:
     url: str = "redis://127.0.0.1:6379/0"
     socket_timeout: Duration = _f(Duration(2))
@@ -111,6 +127,7 @@ class Redis:
     password_file: str = ""
     health_check_interval: Duration = _f(Duration(30))
     tls: RedisTLS = _f(RedisTLS)
+    sentinel: RedisSentinel = _f(RedisSentinel)
 
 
 @dataclass
@@ -391,21 +408,52 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     _check_l3_keys(cfg.ingest.l3, problems)
 
 
+def _sentinel_from_env(s: RedisSentinel, env: dict[str, str]) -> None:
+    if env.get("CACHE_INDEXER_REDIS_SENTINEL_ADDRESSES"):
+        addresses = env["CACHE_INDEXER_REDIS_SENTINEL_ADDRESSES"].split(",")
+        s.addresses = [a.strip() for a in addresses if a.strip()]
+    s.master_name = env.get("CACHE_INDEXER_REDIS_SENTINEL_MASTER_NAME") or s.master_name
+    s.password = env.get("CACHE_INDEXER_REDIS_SENTINEL_PASSWORD") or s.password
+
+
 def _check_redis(r: Redis, problems: list[str]) -> None:
     if not r.url.startswith(("redis://", "rediss://", "unix://")):
-        problems.append(f"redis.url: {r.url!r} is not a redis://, rediss:// or unix:// URL")
+        hint = " (for Sentinel set redis.sentinel)" if "sentinel" in r.url.split("://")[0] else ""
+        problems.append(f"redis.url: {r.url!r} is not a redis://, rediss:// or unix:// URL{hint}")
     if r.cluster and r.url.startswith("unix://"):
         problems.append("redis.cluster: a cluster is reached over TCP, not a unix:// URL")
+    _check_files("redis", r.password_file, r.tls, problems)
+    _check_sentinel(r, problems)
+
+
+def _check_files(where: str, password_file: str, tls: RedisTLS, problems: list[str]) -> None:
     for name, path in (
-        ("passwordFile", r.password_file),
-        ("tls.caFile", r.tls.ca_file),
-        ("tls.certFile", r.tls.cert_file),
-        ("tls.keyFile", r.tls.key_file),
+        ("passwordFile", password_file),
+        ("tls.caFile", tls.ca_file),
+        ("tls.certFile", tls.cert_file),
+        ("tls.keyFile", tls.key_file),
     ):
         if path and not os.access(path, os.R_OK):
-            problems.append(f"redis.{name}: cannot read {path}")
-    if bool(r.tls.cert_file) != bool(r.tls.key_file):
-        problems.append("redis.tls: certFile and keyFile go together (client certificate)")
+            problems.append(f"{where}.{name}: cannot read {path}")
+    if bool(tls.cert_file) != bool(tls.key_file):
+        problems.append(f"{where}.tls: certFile and keyFile go together (client certificate)")
+
+
+def _check_sentinel(r: Redis, problems: list[str]) -> None:
+    s = r.sentinel
+    if not s.addresses:
+        if s.master_name:
+            problems.append("redis.sentinel.addresses: name the sentinels (host:port)")
+        return
+    if not s.master_name:
+        problems.append("redis.sentinel.masterName: the name the sentinels monitor")
+    if r.cluster:
+        problems.append("redis.sentinel: a Redis Cluster fails over by itself, no Sentinel")
+    for i, address in enumerate(s.addresses):
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            problems.append(f"redis.sentinel.addresses[{i}]: {address!r} is not host:port")
+    _check_files("redis.sentinel", s.password_file, s.tls, problems)
 
 
 def model_basename(name: str) -> str:
@@ -474,6 +522,7 @@ def load_config(
         cfg.redis.url = env["CACHE_INDEXER_REDIS_URL"]
     cfg.redis.username = env.get("CACHE_INDEXER_REDIS_USERNAME") or cfg.redis.username
     cfg.redis.password = env.get("CACHE_INDEXER_REDIS_PASSWORD") or cfg.redis.password
+    _sentinel_from_env(cfg.redis.sentinel, env)
     if not cfg.discovery.namespace and env.get("POD_NAMESPACE"):
         cfg.discovery.namespace = env["POD_NAMESPACE"]
     if env.get("LOG_LEVEL"):

@@ -12,7 +12,9 @@ answers while a loop is stuck. A loop that ends on purpose calls :meth:`~Heartbe
 
 **Readiness** (``/readyz``): named conditions (:meth:`Health.condition`) that the loops set
 from what they just did, e.g. ``redis`` after each registry read. Ready = live and every
-condition holds; a condition starts as "not yet" until its first :meth:`Condition.set`.
+condition holds; a condition starts as "not yet" until its first :meth:`Condition.set`. A
+condition that holds may still say something (e.g. ``redis role: master at host:port``): the
+ready answer lists it after ``ok``.
 The probes never do I/O themselves: answering from the loops' own outcomes keeps a probe
 fast and means "ready" reports what the worker actually achieved.
 """
@@ -111,6 +113,7 @@ class Health:
             return False, text
         with self._lock:
             failing = [f"{c.name}: {c.reason}" for c in self._conditions if not c.ok]
+            notes = [f"{c.name}: {c.reason}" for c in self._conditions if c.ok and c.reason]
         if failing:
             return False, "not ready: " + "; ".join(failing)
-        return True, "ok"
+        return True, "ok" + (f" ({'; '.join(notes)})" if notes else "")

@@ -10,6 +10,14 @@ Every process builds its client with :func:`connect` from the ``redis`` config s
 * AUTH: ``redis.username`` (ACL user) and ``redis.password`` / ``redis.passwordFile``
   (a mounted Secret, read at connect time), or ``CACHE_INDEXER_REDIS_USERNAME`` /
   ``CACHE_INDEXER_REDIS_PASSWORD``. Credentials written in the URL take precedence.
+* ``redis.sentinel`` (``addresses`` + ``masterName``) → redis-py's
+  :class:`~redis.sentinel.Sentinel`: every new connection asks the sentinels where the master
+  is now, so a process follows a failover by itself; a pooled connection to a master that was
+  demoted answers READONLY, which redis-py turns into a :class:`redis.ConnectionError` (the
+  connection is dropped and the next one asks the sentinels again): the callers' usual
+  retry and backoff, never a crash loop, and never a write to a replica. ``redis.url`` then
+  gives only the database and the data nodes' credentials / TLS; the sentinels have their
+  own (``redis.sentinel.password`` / ``passwordFile`` / ``tls``).
 * TLS: a ``rediss://`` URL or ``redis.tls.enabled``; ``redis.tls.caFile`` to trust a private
   CA, ``certFile``/``keyFile`` for a client certificate, ``insecureSkipVerify`` for tests.
 * Every socket operation is bounded (``socketTimeout``, ``connectTimeout``); idle pooled
@@ -29,10 +37,14 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterPipeline, RedisCluster
+from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from common.config import Redis as RedisConfig
+from common.config import RedisTLS
+from common.health import Health
 from common.lifecycle import Backoff
 
 logger = logging.getLogger(__name__)
@@ -51,6 +63,8 @@ def connect(cfg: RedisConfig, *, retries: int = 1, stop: threading.Event | None 
     wait early), and raises :class:`redis.ConnectionError` if no node answers."""
     url, options = client_options(cfg, retries)
     logger.info("state store: %s", describe(cfg))
+    if cfg.sentinel.addresses:
+        return _sentinel_master(cfg, url, options)
     if not cfg.cluster:
         return redis.Redis.from_url(url, **options)
     backoff = Backoff(0.2, 5.0)
@@ -63,6 +77,83 @@ def connect(cfg: RedisConfig, *, retries: int = 1, stop: threading.Event | None 
                 raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from exc
             logger.warning("Redis Cluster not reachable yet (attempt %d): %s", attempt, exc)
     raise AssertionError("unreachable")
+
+
+def _sentinel_master(cfg: RedisConfig, url: str, options: dict[str, Any]) -> redis.Redis:
+    """A client of whichever node the sentinels call the master now (see the docstring)."""
+    parsed: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+    node = {k: v for k, v in parsed.items() if k in ("db", "username", "password")}
+    if url.startswith("rediss://"):
+        node["ssl"] = True  # the pool picks its TLS connection class from this flag
+    s = cfg.sentinel
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": cfg.socket_timeout,
+        "socket_connect_timeout": cfg.connect_timeout,
+    }
+    password = _password(s.password, s.password_file)
+    if s.username:
+        sentinel_options["username"] = s.username
+    if password:
+        sentinel_options["password"] = password
+    if s.tls.enabled:
+        sentinel_options.update(ssl=True, **_tls_options(s.tls))
+    addresses = [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in s.addresses]
+    sentinel = Sentinel(addresses, sentinel_kwargs=sentinel_options, **{**options, **node})
+    # check_connection: a PING on every new connection, so a dead address fails at once.
+    client: redis.Redis = sentinel.master_for(s.master_name, check_connection=True)
+    return client
+
+
+def role(client: Client) -> str:
+    """What the client talks to, for readiness and logs: ``master`` / ``slave`` (ROLE) and
+    the address, or ``cluster`` (after a PING: each node's role is the cluster's business).
+    A replica refuses every write (READONLY)."""
+    if isinstance(client, RedisCluster):
+        client.ping()
+        return "cluster"
+    reply: Any = client.role()
+    pool, kw = client.connection_pool, client.connection_pool.connection_kwargs
+    host, port = getattr(pool, "master_address", None) or (kw.get("host"), kw.get("port"))
+    where = f"{host}:{port}" if host else kw.get("path")  # a unix socket has a path
+    return f"{text(reply[0])} at {where}" if where else text(reply[0])
+
+
+def is_replica(where: str) -> bool:
+    """Whether :func:`role` named a replica."""
+    return where.startswith(("slave", "replica"))
+
+
+ROLE_CHECK_INTERVAL = 5.0
+"""Seconds between two ROLE checks of a worker's client (:func:`watch_role`)."""
+
+
+def watch_role(client: Client, health: Health, stop: threading.Event) -> threading.Thread:
+    """Keep the readiness condition ``redis role`` up to date from a daemon thread: ready with
+    the role named while the client talks to a master (or a cluster), not ready on a replica
+    or no answer. On a replica the pool is emptied, so a Sentinel client asks the sentinels
+    again at once even if this process has nothing to write (a quiet worker follows too)."""
+    cond = health.condition("redis role")
+
+    def check() -> None:
+        try:
+            where = role(client)
+        except redis.RedisError as exc:
+            cond.set(False, f"no answer: {type(exc).__name__}: {exc}")
+            return
+        cond.set(not is_replica(where), where)
+        if is_replica(where) and isinstance(client, redis.Redis):
+            logger.warning("the state store is a replica (%s): reconnecting", where)
+            client.connection_pool.disconnect()
+
+    def loop() -> None:
+        while True:
+            check()
+            if stop.wait(ROLE_CHECK_INTERVAL):
+                return
+
+    thread = threading.Thread(target=loop, name="redis-role", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Cluster(RedisCluster):
@@ -101,9 +192,7 @@ def client_options(cfg: RedisConfig, retries: int = 1) -> tuple[str, dict[str, A
         "health_check_interval": cfg.health_check_interval,
         "retry": Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), retries),
     }
-    password = cfg.password
-    if cfg.password_file:
-        password = Path(cfg.password_file).read_text(encoding="utf-8").strip()
+    password = _password(cfg.password, cfg.password_file)
     if cfg.username:
         options["username"] = cfg.username
     if password:
@@ -111,12 +200,18 @@ def client_options(cfg: RedisConfig, retries: int = 1) -> tuple[str, dict[str, A
     if cfg.tls.enabled and url.startswith("redis://"):
         url = "rediss://" + url[len("redis://") :]
     if url.startswith("rediss://"):
-        options.update(_tls_options(cfg))
+        options.update(_tls_options(cfg.tls))
     return url, options
 
 
-def _tls_options(cfg: RedisConfig) -> dict[str, Any]:
-    tls = cfg.tls
+def _password(password: str, password_file: str) -> str:
+    """The password, read from its file (a mounted Secret) when one is named."""
+    if password_file:
+        return Path(password_file).read_text(encoding="utf-8").strip()
+    return password
+
+
+def _tls_options(tls: RedisTLS) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if tls.ca_file:
         out["ssl_ca_certs"] = tls.ca_file
@@ -138,10 +233,12 @@ def describe(cfg: RedisConfig) -> str:
         if cfg.username
         else ("password" if cfg.password or cfg.password_file or "@" in cfg.url else "none")
     )
-    return (
-        f"{'cluster' if cfg.cluster else 'redis'} {host} (tls {'on' if tls else 'off'}, "
-        f"auth {auth})"
-    )
+    if cfg.sentinel.addresses:
+        mode = "sentinel"
+        host = f"{cfg.sentinel.master_name} via {','.join(cfg.sentinel.addresses)}"
+    else:
+        mode = "cluster" if cfg.cluster else "redis"
+    return f"{mode} {host} (tls {'on' if tls else 'off'}, auth {auth})"
 
 
 def text(value: Any) -> str:

@@ -30,7 +30,7 @@ from common.config import Config, config_path_from, load_config
 from common.errors import ConfigError
 from common.health import Health
 from common.lifecycle import install_signal_handlers
-from common.redis_client import Client, connect
+from common.redis_client import Client, connect, watch_role
 from common.settings import ProcessSettings
 
 if TYPE_CHECKING:  # imported when a worker runs: the API's master must not load
@@ -123,10 +123,12 @@ class Process(Generic[S]):
         self._client: Client | None = None
 
     def redis(self) -> Client:
-        """The process's pooled Redis client (made on first use, closed at exit)."""
+        """The process's pooled Redis client (made on first use, closed at exit); its role is
+        watched for readiness (:func:`common.redis_client.watch_role`)."""
         if self._client is None:
             self._client = connect(self._redis_cfg, retries=REDIS_RETRIES)
             self._stack.callback(self._client.close)
+            watch_role(self._client, self.health, self.stop)
         return self._client
 
     def on_exit(self, close: Callable[[], object]) -> None:

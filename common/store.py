@@ -408,12 +408,17 @@ class Store:
             argv += [k, v]
         return bool(self._replace_l3(keys=_instance_keys(ip), args=argv))
 
-    def touch_l3_state(self, ip: str, state: dict[str, str], gen: int) -> bool:
-        """Update the state hash of an unchanged L3 set; False if ``gen`` is not current."""
-        argv: list[Any] = [*_rank_prefixes(ip), int(gen)]
+    def touch_l3_state(self, ip: str, state: dict[str, str], gen: int, written: str = "") -> bool:
+        """Update the state hash of an unchanged L3 set; False if ``gen`` is not current or,
+        with ``written`` (the ``written`` field the caller's last :meth:`replace_l3` put in
+        the state hash), if the stored set is not that one any more: a write Redis lost, e.g.
+        acknowledged by a master that died before its replica had it."""
+        argv: list[Any] = [*_rank_prefixes(ip), int(gen), written]
         for k, v in state.items():
             argv += [k, v]
-        return bool(state) and bool(self._touch_l3(keys=_instance_keys(ip), args=argv))
+        if not state and not written:
+            return False
+        return bool(self._touch_l3(keys=_instance_keys(ip), args=argv))
 
     def l3_members(self, ip: str, group: int = 0) -> set[int]:
         return {int(m) for m in self.r.smembers(keys.l3_group_set(ip, group))}

@@ -392,10 +392,14 @@ return 1
 """
 
 TOUCH_L3 = r"""
--- KEYS as above; ARGV[3] generation, ARGV[4..] field, value pairs for the l3 state hash.
--- Refreshes the state of an unchanged L3 set (e.g. updated_ms) without rewriting it.
+-- KEYS as above; ARGV[3] generation, ARGV[4] the token of the set the writer last wrote
+-- ('' = not checked), ARGV[5..] field, value pairs for the l3 state hash.
+-- Refreshes the state of an unchanged L3 set (e.g. updated_ms) without rewriting it. 0 when
+-- the generation moved or the stored set is not the one the writer wrote (its token is not
+-- in the state hash: the write was lost, e.g. by a failover): the writer rewrites it.
 if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end
-redis.call('HSET', KEYS[11], unpack(ARGV, 4))
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[11], 'written') ~= ARGV[4] then return 0 end
+if #ARGV > 4 then redis.call('HSET', KEYS[11], unpack(ARGV, 5)) end
 return 1
 """
 

@@ -216,9 +216,15 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "TOUCH_L3: generation not checked",
-        "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end\nredis.call('HSET', KEY"
-        "S[11]",
-        "redis.call('HSET', KEYS[11]",
+        "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end\nif ARGV[4] ~= '' and "
+        "redis.call('HGET', KEYS[11]",
+        "if ARGV[4] ~= '' and redis.call('HGET', KEYS[11]",
+    ),
+    (
+        "TOUCH_L3: the written token not checked (a lost L3 write kept for REWRITE_AFTER)",
+        "if ARGV[4] ~= '' and redis.call('HGET', KEYS[11], 'written') ~= ARGV[4] then return 0"
+        " end\n",
+        "",
     ),
     ("CLAIM: renewal does not extend", "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n", ""),
     (

@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+# Sentinel for the failover suite (tests/integration/test_failover_*.py)
+command -v redis-sentinel >/dev/null 2>&1 || need_apt+=(redis-sentinel)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)  # TLS test certificates
@@ -73,7 +75,7 @@ scripts/setup_vllm_engine.sh
 
 # Check the result: every tool and module the suite needs is there now.
 missing=()
-for tool in redis-server ip unshare openssl mooncake_master cache-indexer \
+for tool in redis-server redis-sentinel ip unshare openssl mooncake_master cache-indexer \
             aarch64-linux-gnu-gcc s390x-linux-gnu-gcc qemu-aarch64 qemu-s390x; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done

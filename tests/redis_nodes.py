@@ -117,3 +117,126 @@ class Cluster:
     def cleanup(self) -> None:
         for node in self.nodes:
             node.cleanup()
+
+
+SENTINEL_MASTER = "cache-indexer"
+"""The master name the test sentinels monitor."""
+
+
+class SentinelSet:
+    """A master, ``replicas`` replicas and ``sentinels`` sentinels (Debian's redis-sentinel),
+    all on loopback, quorum 2, a node down after ``down_ms``. Nodes are killed with SIGKILL
+    and restarted on the same port and dir (without persistence they come back empty)."""
+
+    def __init__(
+        self,
+        replicas: int = 1,
+        sentinels: int = 3,
+        down_ms: int = 1000,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.down_ms = down_ms
+        self.nodes = [Node("redis-server", list(extra))]
+        master = self.nodes[0]
+        self.nodes += [
+            Node("redis-server", [*extra, "--replicaof", "127.0.0.1", str(master.port)])
+            for _ in range(replicas)
+        ]
+        self.sentinels = [Node("redis-sentinel", ping={}) for _ in range(sentinels)]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{s.port}" for s in self.sentinels]
+
+    def start(self) -> SentinelSet:
+        for node in self.nodes:
+            node.start()
+        for s in self.sentinels:
+            self._start_sentinel(s)
+        self.wait_stable(self.nodes[0].port)
+        return self
+
+    def _start_sentinel(self, s: Node) -> None:
+        conf = Path(s.dir) / "sentinel.conf"
+        master = self.nodes[0].port
+        conf.write_text(
+            f"port {s.port}\nbind 127.0.0.1\ndir {s.dir}\nprotected-mode no\n"
+            f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master} 2\n"
+            f"sentinel down-after-milliseconds {SENTINEL_MASTER} {self.down_ms}\n"
+            f"sentinel failover-timeout {SENTINEL_MASTER} 4000\n",
+            encoding="utf-8",
+        )
+        s.proc = subprocess.Popen(
+            [s.exe, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        client = redis.Redis(port=s.port, socket_timeout=1)
+        wait_for(client.ping, timeout=15, what=f"redis-sentinel on {s.port} to answer PING")
+        client.close()
+
+    def master_port(self) -> int | None:
+        """The master's port by a majority of the sentinels, None while they disagree."""
+        seen: list[int] = []
+        for s in self.sentinels:
+            client = redis.Redis(port=s.port, socket_timeout=1)
+            try:
+                addr = client.sentinel_get_master_addr_by_name(SENTINEL_MASTER)
+                seen.append(int(addr[1]))
+            except redis.RedisError:
+                pass
+            finally:
+                client.close()
+        best = max(set(seen), key=seen.count, default=None)
+        return best if best is not None and seen.count(best) >= 2 else None
+
+    def node(self, port: int) -> Node:
+        return next(n for n in self.nodes if n.port == port)
+
+    def _is(self, port: int, role: str) -> bool:
+        client = redis.Redis(port=port, socket_timeout=1)
+        try:
+            reply: Any = client.role()
+            return bool(reply[0] in (role, role.encode()))
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def wait_stable(self, master: int, timeout: float = 60) -> None:
+        """The sentinels agree on ``master``, it says so, and every other live node replicates
+        it with the link up."""
+
+        def stable() -> bool:
+            if self.master_port() != master or not self._is(master, "master"):
+                return False
+            for n in self.nodes:
+                if n.port == master or n.proc is None:
+                    continue
+                info = redis.Redis(port=n.port, socket_timeout=1).info("replication")
+                if info.get("master_port") != master or info.get("master_link_status") != "up":
+                    return False
+            return True
+
+        wait_for(stable, timeout=timeout, what=f"the sentinels and nodes to agree on {master}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port`` (no shutdown, no last save)."""
+        node = self.node(port)
+        assert node.proc is not None
+        node.proc.kill()
+        node.proc.wait()
+        node.proc = None
+
+    def wait_failover(self, old: int, timeout: float = 60) -> int:
+        """The port the sentinels promoted instead of ``old``."""
+        new = wait_for(
+            lambda: (p := self.master_port()) not in (None, old) and self._is(p, "master") and p,
+            timeout=timeout,
+            what=f"the sentinels to promote a replica of {old}",
+        )
+        return int(new)
+
+    def cleanup(self) -> None:
+        for s in self.sentinels:
+            s.cleanup()
+        for n in self.nodes:
+            n.cleanup()

@@ -19,6 +19,7 @@ class PollerMetrics:
     poll_seconds: Histogram
     write_seconds: Histogram
     sets_written: Counter
+    sets_lost: Counter
     errors: Counter
     master_keys: Gauge
     master_blocks: Gauge
@@ -57,6 +58,11 @@ class PollerMetrics:
             ),
             sets_written=r.counter(
                 p + "sets_written_total", "instance L3 sets rewritten (unchanged ones are skipped)"
+            ),
+            sets_lost=r.counter(
+                p + "sets_lost_total",
+                "unchanged instance L3 sets found not as written (a write Redis lost, or a new "
+                "generation) and rewritten",
             ),
             errors=r.counter(
                 p + "errors_total", "failed polls and writes by reason", ["master", "reason"]

@@ -7,9 +7,11 @@ and renamed, so readers never see half a set; an instance with nothing gets an e
 "Changed" is decided without touching Redis: per instance the writer remembers the
 generation, masters, stale flag and the blake2b digest of each master's (sorted) part of
 each KV-cache group it last wrote (a group that appears or disappears changes that list);
-a new generation, a failed write (Redis error, refused) or :data:`REWRITE_AFTER` forces a
-rewrite. In scope pool every attached instance's set is the whole pool, so
-skipping unchanged sets is what keeps steady-state polls from re-adding the pool N times.
+a new generation, a failed write (Redis error, refused), a set that is not the one written
+(its ``written`` token gone from the state hash: a write lost by a failover, checked on every
+poll) or :data:`REWRITE_AFTER` forces a rewrite. In scope pool every attached instance's
+set is the whole pool, so skipping unchanged sets is what keeps steady-state polls from
+re-adding the pool N times.
 Writes are serialised by one lock so two masters' publications cannot interleave and leave
 an older union behind.
 
@@ -21,9 +23,9 @@ block are left out, so the store deletes their sets).
 State hash per instance, written with the set: ``master`` (comma-separated masters it is
 attached to), ``updated_ms`` (when the oldest of those masters had last been polled
 successfully; refreshed on every poll, also when the set itself is unchanged and not
-rewritten), ``blocks`` (members of all its group sets) and ``stale`` (``1`` when a master it
-is attached to was dropped after ``ingest.l3.staleAfter`` without a good poll); the store
-adds ``groups``.
+rewritten), ``blocks`` (members of all its group sets), ``stale`` (``1`` when a master it
+is attached to was dropped after ``ingest.l3.staleAfter`` without a good poll) and
+``written`` (the rewrite's token); the store adds ``groups``.
 
 Each master's poll status (``ci:master:{<url>}:state``) is written here too (:meth:`report`,
 after every poll attempt, only by the master's current poller) and deleted by :meth:`retire`.
@@ -31,6 +33,7 @@ after every poll attempt, only by the master's current poller) and deleted by :m
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -74,6 +77,16 @@ class MasterView:
         )
 
 
+def _token(mark: object, started: float) -> str:
+    """What a rewrite stores in the state hash (``written``) and every later unchanged round
+    checks is still there (``Store.touch_l3_state``): a rewrite that Redis lost (a failover
+    to a replica that had not received it, an AOF ``everysec`` crash) is seen on the next
+    poll, not after :data:`REWRITE_AFTER`. The write time makes two rewrites of the same
+    content (after a loss) differ."""
+    data = repr((mark, started)).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
 class L3Writer:
     def __init__(self, store: Store, scope: str, metrics: PollerMetrics) -> None:
         self._store = store
@@ -83,8 +96,9 @@ class L3Writer:
         self._views: dict[str, MasterView] = {}
         self._owners: dict[str, object] = {}
         self._state = StateLog(logger, "l3 writer")
-        self._written: dict[str, tuple[object, float]] = {}
-        """Registered IP → (what was last written: gen, masters, stale, part digests; when)."""
+        self._written: dict[str, tuple[object, float, str]] = {}
+        """Registered IP → (what was last written: gen, masters, stale, part digests; when;
+        the token written with it, see :func:`_token`)."""
 
     def enroll(self, master: str, owner: object) -> None:
         """Accept publications for ``master`` from ``owner`` (its current poll thread) only."""
@@ -141,17 +155,17 @@ class L3Writer:
                     canonical_ip(inst.ip), inst.gen, fallback
                 )
                 mark = (inst.gen, masters, stale, tuple(p[:3] for p in parts))
+                token = _token(mark, started)
                 last = self._written.pop(inst.ip, None)
                 if last is not None and last[0] == mark and started - last[1] < REWRITE_AFTER:
-                    self._written[inst.ip] = last  # same gen, masters, flag and content
-                    if polled:
-                        self._store.touch_l3_state(
-                            inst.ip, {"updated_ms": str(min(polled))}, inst.gen
-                        )
-                    continue
+                    touch = {"updated_ms": str(min(polled))} if polled else {}
+                    if self._store.touch_l3_state(inst.ip, touch, inst.gen, last[2]):
+                        self._written[inst.ip] = last  # same gen, masters, flag and content
+                        continue
+                    self._metrics.sets_lost.inc()  # not what we wrote (or a new gen): rewrite
                 hashes, state = self._merge(parts, masters, polled, stale)
-                if self._store.replace_l3(inst.ip, hashes, state, gen=inst.gen):
-                    self._written[inst.ip] = (mark, started)
+                if self._store.replace_l3(inst.ip, hashes, {**state, "written": token}, inst.gen):
+                    self._written[inst.ip] = (mark, started, token)
                 written += 1
         except redis.RedisError as exc:
             self._written.clear()  # whatever Redis holds now, the next write redoes it all

@@ -78,7 +78,9 @@ def test_l1_ingest_probes_follow_its_loop_and_redis(
             stderr=subprocess.STDOUT,
         )
     )
-    wait_for(lambda: _get(port, "/readyz") == (200, "ok\n"), timeout=30, what="ready")
+    # readiness names the role of the Redis it talks to (issue 19)
+    ready = (200, f"ok (redis role: master at 127.0.0.1:{own_redis.port})\n")
+    wait_for(lambda: _get(port, "/readyz") == ready, timeout=30, what="ready")
     assert _get(port, "/healthz") == (200, "ok\n")
     assert "cache_indexer_l1_subscribed_ranks" in _get(port, "/metrics")[1]
 
@@ -96,12 +98,12 @@ def test_l1_ingest_probes_follow_its_loop_and_redis(
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: _get(port, "/healthz") == (200, "ok\n"), timeout=20, what="recovery")
-    wait_for(lambda: _get(port, "/readyz") == (200, "ok\n"), timeout=20, what="ready again")
+    wait_for(lambda: _get(port, "/readyz") == ready, timeout=20, what="ready again")
 
     own_redis.stop()
     try:
         status, text = wait_for(
-            lambda: (r := _get(port, "/readyz"))[0] == 503 and r,
+            lambda: (r := _get(port, "/readyz"))[0] == 503 and "registry" in r[1] and r,
             timeout=20,
             what="/readyz to fail without Redis",
         )
@@ -109,7 +111,7 @@ def test_l1_ingest_probes_follow_its_loop_and_redis(
         assert _get(port, "/healthz")[0] == 200, "failing fast is progress: live, not ready"
     finally:
         own_redis.start()
-    wait_for(lambda: _get(port, "/readyz") == (200, "ok\n"), timeout=30, what="ready again")
+    wait_for(lambda: _get(port, "/readyz") == ready, timeout=30, what="ready again")
 
     procs[0].send_signal(signal.SIGTERM)
     assert procs[0].wait(15) == 0

@@ -442,7 +442,11 @@ def test_health_and_readiness(
 ) -> None:
     client = _client(Store(redis_client), hasher)
     assert client.simulate_get("/healthz").status_code == 200
-    assert client.simulate_get("/readyz").json == {"status": "ok"}
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    assert client.simulate_get("/readyz").json == {
+        "status": "ok",
+        "redis": f"master at {redis_client.connection_pool.connection_kwargs['host']}:{port}",
+    }
     down = _client(dead_store, hasher)
     assert down.simulate_get("/healthz").status_code == 200, "liveness does not need Redis"
     result = down.simulate_get("/readyz")

@@ -187,3 +187,42 @@ def test_groups_of_two_masters_are_merged_per_group(store: CountingStore) -> Non
     assert writer.publish(MASTER + "2", view({3}, {3}), "owner")
     assert (store.l3_members(POD_A), store.l3_members(POD_A, 1)) == ({1, 2, 3}, {2, 3})
     assert store.l3_members(POD_B) == set() and store.l3_state(POD_B)["groups"] == "0"
+
+
+def _snapshot(store: Store, ip: str) -> dict[str, bytes]:
+    """The instance's L3 keys as DUMP blobs: what a replica holds that missed later writes."""
+    names = (keys.l3_set(ip), keys.l3_state(ip))
+    return {k: blob for k in names if (blob := store.r.dump(k)) is not None}  # type: ignore[misc]
+
+
+def _roll_back(store: Store, ip: str, snapshot: dict[str, bytes]) -> None:
+    """Put the instance's L3 keys back as the snapshot had them (a failover lost the rest)."""
+    store.r.delete(keys.l3_set(ip), keys.l3_state(ip))
+    for k, blob in snapshot.items():
+        store.r.restore(k, 0, blob)
+
+
+@pytest.mark.parametrize("before", [{1, 2}, set()], ids=["older-set", "never-written"])
+def test_a_rewrite_that_redis_lost_is_written_again_on_the_next_poll(
+    store: CountingStore, before: set[int]
+) -> None:
+    """Issue 19: an acknowledged rewrite lost by a failover (the new master is a replica that
+    never received it) is noticed on the next poll by its ``written`` token, not after
+    REWRITE_AFTER, while the content the poller sees does not change."""
+    metrics = PollerMetrics.register()
+    writer = L3Writer(store, "pool", metrics)
+    writer.enroll(MASTER, "owner")
+    if before:
+        assert writer.publish(MASTER, pool_view(writer, before, 1), "owner")
+    lost = _snapshot(store, POD_A)
+    assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 2), "owner")
+    _roll_back(store, POD_A, lost)
+    assert store.l3_members(POD_A) == before
+    assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 3), "owner")
+    assert store.l3_members(POD_A) == {1, 2, 3} == store.l3_members(POD_B)
+    assert store.l3_state(POD_A)["updated_ms"] == "3"
+    assert metrics.sets_lost.value() == 1
+    replaced = dict(store.replaced)
+    assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 4), "owner")
+    assert store.replaced == replaced, "healed: unchanged sets are skipped again"
+    assert store.l3_state(POD_A)["updated_ms"] == "4"
