@@ -30,7 +30,8 @@ def valkey_server() -> str | None:
 
 
 class Cluster:
-    """``n`` masters (no replicas) made into one cluster with ``redis-cli --cluster create``."""
+    """``n`` nodes made into one cluster with ``redis-cli --cluster create``: all masters, or
+    with ``replicas`` replicas per master (``n`` then counts them too)."""
 
     def __init__(
         self,
@@ -39,7 +40,9 @@ class Cluster:
         cli: str = "redis-cli",
         extra: list[str] | None = None,
         ping: dict[str, Any] | None = None,
+        replicas: int = 0,
     ) -> None:
+        self.replicas = replicas
         self.cli = shutil.which(cli) or cli
         self.extra = extra or []
         # An explicit bus port: the default (port + 10000) can be out of range or taken.
@@ -78,7 +81,7 @@ class Cluster:
                 "create",
                 *addrs,
                 "--cluster-replicas",
-                "0",
+                str(self.replicas),
                 "--cluster-yes",
             ],
             check=True,
