@@ -61,11 +61,6 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
         "  redis.call('HDEL', KEYS[3], digf)\nend",
     ),
     (
-        "APPLY: reset keeps the old digest",
-        "  redis.call('HDEL', KEYS[3], seqf, digf)\nend",
-        "  redis.call('HDEL', KEYS[3], seqf)\nend",
-    ),
-    (
         "APPLY: cursor fence ignores the sequence",
         "if (cur[1] or '-1') ~= ARGV[9] or",
         "if false or",

@@ -118,9 +118,13 @@ def test_a_reset_is_not_fenced_by_the_cursor_and_drops_the_digest(store: Store) 
     assert res.status == "applied" and store.tier_members(IP) == set()
     assert store.cursor(IP, 0) == StoredCursor(-1, "")
     assert StoredCursor(-1, "").same(StoredCursor())  # -1 and no field: nothing applied
-    res = store.apply_batch(IP, gen, 0, 0, _ops(("S", "l1", [2])), follows=StoredCursor())
+    res = store.apply_batch(
+        IP, gen, 0, 0, _ops(("S", "l1", [2])), follows=StoredCursor(), digest="dd"
+    )
     assert res.status == "applied"
     store.apply_batch(IP, gen, 0, 1, TierOps())  # unchecked, no digest: none recorded
+    res = store.apply_batch(IP, gen, 0, 2, TierOps(), follows=StoredCursor(0, ""))
+    assert res.status == "cursor_moved"  # the same (empty) digest, another seq
     store.apply_batch(IP, gen, 1, 7, TierOps(), digest="bb")
     assert store.cursors([(IP, 0), (IP, 1), ("10.9.9.9", 0)]) == [
         StoredCursor(1, ""),
