@@ -14,6 +14,8 @@ it is one more call, to one node (tests/integration/test_status_cluster.py).
   heartbeating.
 * ``unreachable`` — the ingester cannot reach the publisher (connect retried, disconnected,
   or subscription being retried after an error).
+* ``resyncing`` — some rank's stored cursor was not the one the ingester applied (a Redis
+  failover lost writes, the state hash was emptied): it re-reads it and re-syncs.
 * ``replaying`` — a replay is in flight on some rank (catching up after a connect or gap).
 * ``gap`` — an unrecoverable gap was kept (``onUnrecoverableGap: keep``): blocks may be missing
   or stale until the rank is reset.
@@ -44,6 +46,7 @@ class InstanceState(StrEnum):
     ``inspect`` and the state gauge's label show."""
 
     SYNCED = "synced"
+    RESYNCING = "resyncing"
     REPLAYING = "replaying"
     GAP = "gap"
     NO_EVENTS = "no_events"
@@ -186,6 +189,10 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
             "gaps": sum(_int(v) for k, v in l1.items() if k.startswith("gap:")),
             "ingester": parts["owner"] or l1.get("ingester") or None,
             "reset_reason": l1.get("reset_reason") or None,
+            "resyncs": _int(l1.get("resyncs")),
+            "resync_detail": l1.get("resync_detail") or None,
+            "lifetime_detail": l1.get("lifetime_detail") or None,
+            "lifetime_age_s": _age(l1.get("lifetime_ms"), raw.now_ms),
         },
         "groups": group_view.describe(
             group_view.parse_groups(parts.get("groups") or {}, limits.vllm_version),
@@ -218,6 +225,8 @@ def l1_state(
     conn = l1.get("conn", "")
     if conn in _UNREACHABLE:
         return InstanceState.UNREACHABLE, f"{conn}: {l1.get('conn_detail', '')}".rstrip(": ")
+    if l1.get("resyncing") == "1":
+        return InstanceState.RESYNCING, l1.get("resync_detail", "the stored cursor moved")
     if l1.get("replaying") == "1":
         return InstanceState.REPLAYING, "catching up through the replay endpoint"
     gaps = sum(_int(v) for k, v in l1.items() if k.startswith("gap:"))

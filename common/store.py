@@ -86,6 +86,10 @@ class BatchStatus(StrEnum):
     GROUPS_CHANGED = "groups_changed"
     """Refused: a KV-cache group's kind or window changed; the store reset the instance (new
     generation, ``reset_reason`` in its state hash) and the ingester re-syncs it."""
+    CURSOR_MOVED = "cursor_moved"
+    """Refused: the rank's stored cursor (sequence and payload digest) is not the one the
+    writer follows, e.g. a failover lost acknowledged writes; the writer re-reads it and
+    re-syncs (:class:`StoredCursor`)."""
 
 
 class RegistryChange(StrEnum):
@@ -109,6 +113,25 @@ class ApplyResult:
     removed: int = 0
     unknown_removes: int = 0
     cleared: int = 0
+
+
+@dataclass(frozen=True)
+class StoredCursor:
+    """What the l1 state hash says was applied last on one rank: ``seq:<rank>`` (None = no
+    field: nothing applied, or reset) and ``dig:<rank>``, the digest of that batch's payload
+    (hex; ``""`` = none recorded). A batch write names the cursor it follows and the store
+    refuses it when the stored one differs (``BatchStatus.CURSOR_MOVED``)."""
+
+    seq: int | None = None
+    digest: str = ""
+
+    def fence(self) -> list[str]:
+        """The cursor as ``APPLY_BATCH`` compares it (no field is the same as ``-1``)."""
+        seq = -1 if self.seq is None or self.seq < 0 else self.seq
+        return [str(seq), self.digest if seq >= 0 else ""]
+
+    def same(self, other: StoredCursor) -> bool:
+        return self.fence() == other.fence()
 
 
 Op = tuple[str, str, int, list[Any]]
@@ -167,6 +190,7 @@ _STATUS = {
     -1: BatchStatus.STALE_GEN,
     -2: BatchStatus.NOT_OWNER,
     -3: BatchStatus.GROUPS_CHANGED,
+    -4: BatchStatus.CURSOR_MOVED,
 }
 
 
@@ -305,11 +329,15 @@ class Store:
         owner: str = "",
         reset: bool = False,
         gap: bool = False,
+        follows: StoredCursor | None = None,
+        digest: str = "",
     ) -> ApplyResult:
         """Apply one batch atomically, fenced by generation (and owner when given).
 
-        The batch's sequence is recorded in the same script; a sequence not above the
-        last applied one is a duplicate and changes nothing (unless ``reset``).
+        The batch's sequence (and ``digest``, its payload's) is recorded in the same script;
+        a sequence not above the last applied one is a duplicate and changes nothing (unless
+        ``reset``). With ``follows``, the write is also fenced by the rank's cursor: refused
+        (``CURSOR_MOVED``) unless the stored one is exactly ``follows`` (not checked on a reset).
         """
         argv = [
             *_rank_prefixes(ip),
@@ -319,6 +347,8 @@ class Store:
             int(seq),
             "1" if reset else "0",
             "1" if gap else "0",
+            *(follows.fence() if follows is not None else ["*", ""]),
+            digest,
             *ops.argv(),
         ]
         status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
@@ -345,6 +375,27 @@ class Store:
     def last_seq(self, ip: str, rank: int) -> int | None:
         value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")
         return None if value is None else int(value)
+
+    def cursor(self, ip: str, rank: int) -> StoredCursor:
+        """The rank's stored cursor (one HMGET)."""
+        return self.cursors([(ip, rank)])[0]
+
+    def cursors(self, ranks: Sequence[tuple[str, int]]) -> list[StoredCursor]:
+        """The stored cursors of several (ip, rank) in one pipelined round trip (the
+        ingester's periodic check that no failover took its writes back)."""
+        if not ranks:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for ip, rank in ranks:
+            pipe.hmget(keys.l1_state(ip), [f"seq:{int(rank)}", f"dig:{int(rank)}"])
+        out = []
+        for seq, digest in pipe.execute():
+            out.append(
+                StoredCursor(
+                    None if seq is None else int(seq), "" if digest is None else text(digest)
+                )
+            )
+        return out
 
     def l1_state(self, ip: str) -> dict[str, str]:
         return text_dict(self.r.hgetall(keys.l1_state(ip)))

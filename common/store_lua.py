@@ -257,14 +257,19 @@ APPLY_BATCH = (
     + r"""
 -- ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] rank, ARGV[6] seq,
 -- ARGV[7] '1' = clear this rank first (publisher restart / gap policy clear),
--- ARGV[8] '1' = count an unrecoverable gap, ARGV[9..] ops: op, tier, group, n, value * n
+-- ARGV[8] '1' = count an unrecoverable gap, ARGV[9] the rank's cursor seq the writer
+-- believes is stored ('-1' = none, '*' = unchecked), ARGV[10] that cursor's payload digest
+-- ('' = none), ARGV[11] the digest of this batch's payload, ARGV[12..] ops: op, tier, group,
+-- n, value * n
 -- (op S = stored, R = removed: n hashes; C = all cleared, n = 0, every group;
 -- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
 -- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
 -- (0 = derive), chunk (0 = unknown), dp size).
 -- Returns {status, stored, removed, unknown_removes, cleared}; status 1 applied,
 -- 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
--- changed (the instance was reset: new generation, reset_reason in the state hash).
+-- changed (the instance was reset: new generation, reset_reason in the state hash), -4 the
+-- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
+-- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
 if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
 if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
 if redis.call('EXISTS', KEYS[12], KEYS[13]) > 0
@@ -276,18 +281,24 @@ if redis.call('EXISTS', KEYS[12], KEYS[13]) > 0
   return {-1, 0, 0, 0, 0}
 end
 local rank, seq = ARGV[5], tonumber(ARGV[6])
-local seqf = 'seq:' .. rank
+local seqf, digf = 'seq:' .. rank, 'dig:' .. rank
+-- The cursor fence: a batch follows the batch the writer applied last, so it is refused if
+-- the store no longer holds exactly that one (a reset does not depend on what is stored).
+if ARGV[7] ~= '1' and ARGV[9] ~= '*' then
+  local cur = redis.call('HMGET', KEYS[3], seqf, digf)
+  if (cur[1] or '-1') ~= ARGV[9] or (cur[2] or '') ~= ARGV[10] then return {-4, 0, 0, 0, 0} end
+end
 local cleared = 0
 if ARGV[7] == '1' then
   cleared = clear_rank('l1', rank) + clear_rank('l2', rank)
-  redis.call('HDEL', KEYS[3], seqf)
+  redis.call('HDEL', KEYS[3], seqf, digf)
 end
 local last = redis.call('HGET', KEYS[3], seqf)
 if last and seq <= tonumber(last) then return {0, 0, 0, 0, cleared} end
 -- Descriptors first, before any write: a kind or window that changed within a generation
 -- means the engine is not the one indexed (or the index is wrong): reset, never mix.
 local learned = {}
-local i = 9
+local i = 12
 while i <= #ARGV do
   local op, g, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 3])
   if op == 'D' then
@@ -318,7 +329,7 @@ end
 if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end
 local stored, removed, unknown = 0, 0, 0
 local ri = tonumber(rank) + 1
-i = 9
+i = 12
 while i <= #ARGV do
   local op, tier, g, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
   if op == 'C' then
@@ -336,6 +347,8 @@ while i <= #ARGV do
   i = i + 4 + n
 end
 redis.call('HSET', KEYS[3], seqf, ARGV[6])
+if ARGV[11] ~= '' then redis.call('HSET', KEYS[3], digf, ARGV[11])
+else redis.call('HDEL', KEYS[3], digf) end
 return {1, stored, removed, unknown, cleared}
 """
 )

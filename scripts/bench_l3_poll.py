@@ -28,7 +28,14 @@ With ``--formats`` it compares the key families instead (scripts/bench_l3_format
 vLLM keys, vllm-ascend normal keys and vllm-ascend layer-wise keys (TP2 × 24 layers, both
 layouts), steady-state polls of the same key count side by side in one run.
 
+With ``--relocation`` it measures issue 20's re-location (a key put again elsewhere between
+two polls): the current poller (reads the master's removal counters each poll and locates
+every key again when they moved) and the previous one (locates new keys only) side by side
+in one run, on the same master: first poll, steady polls, a poll after 1 % of the blocks
+were replaced (removals: the current poller re-locates every key), a steady poll after.
+
 Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]``,
+``python scripts/bench_l3_poll.py --relocation --sizes 1000000``,
 ``python scripts/bench_l3_poll.py --hybrid --sizes 1000000``,
 ``python scripts/bench_l3_poll.py --formats --sizes 1000000`` and
 ``unshare -n sh -c 'ip link set lo up && python scripts/bench_l3_poll.py --real-master'``.
@@ -257,8 +264,8 @@ class Bench:
         self.writer = L3Writer(self.store, "segment", self.metrics)
         self.out: dict[str, Any] = {"keys": n_keys}
 
-    def poller(self) -> MasterPoller:
-        client = MasterClient(self.url, 60.0, 60.0)
+    def poller(self, previous: bool = False) -> MasterPoller:
+        client = (_PreviousClient if previous else MasterClient)(self.url, 60.0, 60.0)
         poller = MasterPoller(
             self.url, self.cfg, client, self.writer, self.metrics, threading.Event()
         )
@@ -295,6 +302,15 @@ class Bench:
         self.churn(0.01)
         self.poll(poller, "churn_1pct")
         self.out["rss_after_polls_MB"] = _rss_mb()
+
+    def relocation(self) -> None:
+        """The current and the previous poller side by side, poll for poll."""
+        pollers = {"current": self.poller(), "previous": self.poller(previous=True)}
+        for step in ("first", "steady", "steady2", "churn_1pct", "steady_after"):
+            if step == "churn_1pct":
+                self.churn(0.01)
+            for name, poller in pollers.items():
+                self.poll(poller, f"{name}:{step}", write=False)
 
     def memory(self) -> None:
         poller = self.poller()
@@ -356,8 +372,22 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child(n_keys: int, hybrid: bool = False) -> None:
+class _PreviousClient(MasterClient):
+    """The poller before issue 20: no removal counters read, so no key is located again."""
+
+    def removals(self) -> int | None:
+        return 0
+
+
+def child(n_keys: int, hybrid: bool = False, relocation: bool = False) -> None:
     bench = Bench(n_keys, hybrid)
+    if relocation:
+        try:
+            bench.relocation()
+        finally:
+            bench.close()
+        print(json.dumps(bench.out), flush=True)
+        return
     try:
         bench.out["rss_before_MB"] = _rss_mb()
         bench.timing()
@@ -403,6 +433,18 @@ def report(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def report_relocation(rows: list[dict[str, Any]]) -> None:
+    print("| keys | poll | current: wall s | keys located | previous: wall s | keys located |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        for step in ("first", "steady", "steady2", "churn_1pct", "steady_after"):
+            cur, prev = r[f"current:{step}"], r[f"previous:{step}"]
+            print(
+                f"| {r['keys']:,} | {step} | {cur['wall_s']:.2f} | {int(cur['located']):,} | "
+                f"{prev['wall_s']:.2f} | {int(prev['located']):,} |"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="100000,1000000")
@@ -413,6 +455,9 @@ def main() -> None:
     p.add_argument("--host", help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--formats", action="store_true", help="compare the key families")
+    p.add_argument(
+        "--relocation", action="store_true", help="re-location: current vs previous poller"
+    )
     p.add_argument("--family", default="", help=argparse.SUPPRESS)
     p.add_argument(
         "--hybrid",
@@ -445,19 +490,26 @@ def main() -> None:
         )
         return
     if args.child:
-        child(args.child, args.hybrid)
+        child(args.child, args.hybrid, args.relocation)
         return
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(n), *(["--hybrid"] if args.hybrid else [])],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(n),
+                *(["--hybrid"] if args.hybrid else []),
+                *(["--relocation"] if args.relocation else []),
+            ],
             check=True,
             capture_output=True,
             text=True,
             env={**os.environ},
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    report(rows)
+    (report_relocation if args.relocation else report)(rows)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,46 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
         "if last and seq <= tonumber(last) then",
         "if last and seq < tonumber(last) then",
     ),
-    ("APPLY: reset keeps the old sequence", "  redis.call('HDEL', KEYS[3], seqf)\nend", "end"),
+    (
+        "APPLY: reset keeps the old sequence",
+        "  redis.call('HDEL', KEYS[3], seqf, digf)\nend",
+        "  redis.call('HDEL', KEYS[3], digf)\nend",
+    ),
+    (
+        "APPLY: cursor fence ignores the sequence",
+        "if (cur[1] or '-1') ~= ARGV[9] or",
+        "if false or",
+    ),
+    (
+        "APPLY: cursor fence ignores the digest",
+        "or (cur[2] or '') ~= ARGV[10] then return {-4,",
+        "or false then return {-4,",
+    ),
+    (
+        "APPLY: cursor fence never checked",
+        "if ARGV[7] ~= '1' and ARGV[9] ~= '*' then",
+        "if false then",
+    ),
+    (
+        "APPLY: cursor fence also checked on a reset",
+        "if ARGV[7] ~= '1' and ARGV[9] ~= '*' then",
+        "if ARGV[9] ~= '*' then",
+    ),
+    (
+        "APPLY: a missing cursor is not the same as -1",
+        "if (cur[1] or '-1') ~= ARGV[9]",
+        "if (cur[1] or '') ~= ARGV[9]",
+    ),
+    (
+        "APPLY: digest not recorded",
+        "if ARGV[11] ~= '' then redis.call('HSET', KEYS[3], digf, ARGV[11])",
+        "if false then redis.call('HSET', KEYS[3], digf, ARGV[11])",
+    ),
+    (
+        "APPLY: an empty digest keeps the previous one",
+        "else redis.call('HDEL', KEYS[3], digf) end",
+        "end",
+    ),
     (
         "APPLY: reset does not clear L2",
         "cleared = clear_rank('l1', rank) + clear_rank('l2', rank)",
@@ -99,8 +138,8 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ("APPLY: remove of an unknown hash not counted", "else unknown = unknown + 1 end", "end"),
     (
         "APPLY: sequence not recorded",
-        "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nreturn {1,",
-        "return {1,",
+        "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nif ARGV[11]",
+        "if ARGV[11]",
     ),
     (
         "UPSERT: container restart keeps L1",

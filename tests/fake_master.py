@@ -38,6 +38,10 @@ class FakeMaster:
         self.requests: list[str] = []
         self.calls: Counter[str] = Counter()
         self.record_paths = True
+        self.removed = 0
+        """Keys removed (or replaced by a put elsewhere): ``/metrics`` reports it."""
+        self.metrics = True
+        """False: no ``/metrics`` (404), as a master whose metrics cannot be read."""
         self._body: bytes | None = None
         self._lock = threading.Lock()
         self._unblock = threading.Event()
@@ -81,17 +85,22 @@ class FakeMaster:
         self.set_keys({k: r for k, r in self.keys.items() if ep not in r})
 
     def put(self, key: str, *endpoints: str) -> None:
+        """Put ``key`` (a key already there is removed first, as a real master must)."""
         with self._lock:
+            if self.keys.get(key, tuple(endpoints)) != tuple(endpoints):
+                self.removed += 1
             self.keys[key] = tuple(endpoints)
             self._body = None
 
     def set_keys(self, keys: dict[str, tuple[str, ...]]) -> None:
         with self._lock:
+            self.removed += sum(1 for k, r in self.keys.items() if keys.get(k) != r)
             self.keys = keys
             self._body = None
 
     def remove(self, key: str) -> None:
         with self._lock:
+            self.removed += key in self.keys
             self.keys.pop(key, None)
             self._body = None
 
@@ -106,6 +115,30 @@ class FakeMaster:
     def respond(self, path: str) -> tuple[int, str, bytes]:
         route, _, query = path.partition("?")
         self.calls[route] += 1
+        faulty = self._fault(route)
+        if faulty is not None:
+            return faulty
+        if route == "/get_all_keys":
+            return 200, "text/plain; version=0.0.4", self.all_keys_body()
+        if route == "/metrics" and self.metrics:
+            body = f"master_remove_requests_total {self.removed}\nmaster_evicted_key_count 0\n"
+            return 200, "text/plain; version=0.0.4", body.encode()
+        if route == "/get_all_segments":
+            return (
+                200,
+                "text/plain; version=0.0.4",
+                "".join(s + "\n" for s in self.segments).encode(),
+            )
+        if route == "/get_segments_detail" and self.version >= (0, 3, 12):
+            return 200, "application/json; charset=utf-8", self._detail()
+        if route == "/batch_query_keys" and self.version >= (0, 3, 9):
+            return self._batch(query.removeprefix("keys="))
+        if route == "/query_key":
+            return self._query_key(query.removeprefix("key="))
+        return 404, "", b"404 Not Found"
+
+    def _fault(self, route: str) -> tuple[int, str, bytes] | None:
+        """The answer ``fault`` forces on ``route``, if any."""
         if self.fault == "503":
             return (
                 503,
@@ -125,21 +158,7 @@ class FakeMaster:
             return 200, "application/json", b'{"success":true,"data":null}'
         if self.fault == "bad_locate" and route == "/query_key":
             return 200, "application/json", b'{"success":true}'
-        if route == "/get_all_keys":
-            return 200, "text/plain; version=0.0.4", self.all_keys_body()
-        if route == "/get_all_segments":
-            return (
-                200,
-                "text/plain; version=0.0.4",
-                "".join(s + "\n" for s in self.segments).encode(),
-            )
-        if route == "/get_segments_detail" and self.version >= (0, 3, 12):
-            return 200, "application/json; charset=utf-8", self._detail()
-        if route == "/batch_query_keys" and self.version >= (0, 3, 9):
-            return self._batch(query.removeprefix("keys="))
-        if route == "/query_key":
-            return self._query_key(query.removeprefix("key="))
-        return 404, "", b"404 Not Found"
+        return None
 
     def _detail(self) -> bytes:
         segs = [

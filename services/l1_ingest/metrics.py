@@ -24,7 +24,7 @@ class IngestMetrics:
         )
         self.batches = r.counter(
             "cache_indexer_l1_batches_total",
-            "batches by result (applied, duplicate, stale_gen, not_owner, not_a_batch)",
+            "batches by result (applied, duplicate, stale_gen, not_owner, cursor_moved, ...)",
             ("result",),
         )
         self.gaps = r.counter(
@@ -35,6 +35,10 @@ class IngestMetrics:
         self.restarts = r.counter(
             "cache_indexer_l1_publisher_restarts_total",
             "vLLM publisher restarts detected (seq went back)",
+        )
+        self.resyncs = r.counter(
+            "cache_indexer_l1_resyncs_total",
+            "rank re-syncs because the stored cursor was not the one applied (lost writes)",
         )
         self.replays = r.counter(
             "cache_indexer_l1_replays_total",

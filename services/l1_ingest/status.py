@@ -15,6 +15,10 @@ pipeline, fenced by generation and owner) into the instance's ``ci:{ip}:l1:state
 | ``conn`` | worst rank: connected, connecting, disconnected, unreachable, retrying |
 | ``conn_detail`` | endpoint or why it is being retried |
 | ``replaying`` | ``1`` while a replay is in flight on any rank |
+| ``resyncing`` | ``1`` while a rank re-syncs because its stored cursor moved (lost writes) |
+| ``resyncs`` / ``resync_detail`` | re-syncs so far (counter) / the last one's reason |
+| ``lifetime_detail`` | the last new engine lifetime recognised: rank and evidence |
+| ``lifetime_ms`` | when it was recognised |
 | ``hash_check`` | ``ok``, ``mismatch`` or ``unchecked`` (see :mod:`.hashcheck`) |
 | ``hash_check_ok`` / ``hash_check_mismatch`` | blocks verified / mismatched (counters) |
 | ``hash_check_detail`` | one sentence: what was verified, or which setting the engine uses |
@@ -62,9 +66,26 @@ class InstanceStatus:
         self._seen = 0
         self._last_event_ms: int | None = None
         self._acked = self._pending = (0, 0)  # (ok, mismatch) counted in Redis / in flight
+        self._resyncs = self._resyncs_acked = self._pending_resyncs = 0
+        self._notes: dict[str, str] = {}
+
+    def resynced(self, why: str) -> None:
+        """A rank began re-syncing after its stored cursor moved."""
+        self._resyncs += 1
+        self._notes["resync_detail"] = why
+
+    def restarted(self, why: str) -> None:
+        """A rank recognised a new engine lifetime (``why`` names the evidence)."""
+        self._notes.update(lifetime_detail=why, lifetime_ms=str(now_ms()))
 
     def update(
-        self, owner: str, ingester: str, conn: str, conn_detail: str, replaying: bool
+        self,
+        owner: str,
+        ingester: str,
+        conn: str,
+        conn_detail: str,
+        replaying: bool,
+        resyncing: bool = False,
     ) -> L1Status:
         """The write for this round (counters as increments since the last write)."""
         stamp = now_ms()
@@ -77,17 +98,22 @@ class InstanceStatus:
             "conn": conn,
             "conn_detail": conn_detail,
             "replaying": "1" if replaying else "0",
+            "resyncing": "1" if resyncing else "0",
+            **self._notes,
         }
         if self._last_event_ms is not None:
             fields["last_event_ms"] = str(self._last_event_ms)
         incr: dict[str, int] = {}
+        if self._resyncs != self._resyncs_acked:
+            incr["resyncs"] = self._resyncs - self._resyncs_acked
+        self._pending_resyncs = self._resyncs
         checker = self.checker
         if checker is None:
             fields.update(hash_check=UNCHECKED, hash_check_detail=self.why_unchecked)
         else:
             fields.update(hash_check=checker.verdict, hash_check_detail=checker.detail)
             self._pending = (checker.ok, checker.mismatch)
-            incr = {
+            incr |= {
                 "hash_check_ok": checker.ok - self._acked[0],
                 "hash_check_mismatch": checker.mismatch - self._acked[1],
             }
@@ -97,6 +123,7 @@ class InstanceStatus:
         """The last write landed: its counter increments are in Redis (else they are sent
         again with the next write)."""
         self._acked = self._pending
+        self._resyncs_acked = self._pending_resyncs
 
 
 def worst(states: list[str]) -> ConnState:
@@ -113,6 +140,7 @@ class ConnRound:
     conn: ConnState
     detail: str
     replaying: bool
+    resyncing: bool = False
 
 
 class StatusBoard:
@@ -169,7 +197,12 @@ class StatusBoard:
             status = self.of(r.inst)
             detail = r.detail if r.conn is not ConnState.RETRYING else status.retry_reason
             pending.append(
-                (status, status.update(self.owner, self.ingester, r.conn, detail, r.replaying))
+                (
+                    status,
+                    status.update(
+                        self.owner, self.ingester, r.conn, detail, r.replaying, r.resyncing
+                    ),
+                )
             )
         try:
             written = self.store.write_l1_status([update for _, update in pending])

@@ -17,13 +17,24 @@ recorded (an empty write): vLLM sent it, replaying it would return the same byte
 treating it as a gap would clear or flag the index for nothing.
 
 **Continuity.** Every replay asks from the last applied sequence itself (not the one after)
-and the stream remembers a short digest of the payload it applied there. A reply that lacks
-that sequence, or holds different bytes at it, shows the publisher restarted (vLLM does not
-persist its sequence, and every payload carries a timestamp): the rank is reset and replayed
-from 0. The digest lives in memory only (the subscriber hands it to the next session of the
-same rank and generation); after an ingester restart it is unknown, and a vLLM that restarted
-meanwhile and already published past our sequence is taken for the one we followed. A replay
-that starts above the sequence asked for (trimmed buffer, spec §1.3) is an unrecoverable gap.
+and the store keeps a short digest of the payload applied there (``dig:<rank>``, written with
+``seq:<rank>`` by the same script). A reply that lacks that sequence, or holds different bytes
+at it, shows the publisher restarted (vLLM does not persist its sequence, and every payload
+carries a timestamp): the rank is reset and replayed from 0. Because the digest is in Redis,
+this holds after an ingester restart too. A replay that starts above the sequence asked for
+(trimmed buffer, spec §1.3) is an unrecoverable gap. Without a replay endpoint nothing can
+verify a lifetime, so the first live batch after a (re)connect that is past the cursor (a
+gap) is taken for a **possible restart** and resets the rank (whatever the gap policy): the
+index then under-reports until the engine stores its blocks again, but never credits the
+instance with a dead lifetime's blocks.
+
+**Cursor fence.** Every write names the cursor (seq, digest) it follows
+(:class:`~common.store.StoredCursor`); the store refuses it (``CURSOR_MOVED``) if the stored
+one differs, e.g. a Redis failover lost acknowledged writes or emptied the state hash. The
+stream then re-syncs (:meth:`RankStream.resync`): it re-reads the stored cursor and replays
+from there, which the continuity check above verifies; what replay cannot cover (no endpoint,
+trimmed buffer, nothing stored) resets the rank. The subscriber also compares every rank's
+stored cursor with the stream's every couple of seconds, so a quiet instance re-syncs too.
 
 A replay endpoint ZMQ cannot connect to (``tcp://*:port``, no port) makes replay unavailable
 for the session: logged once, and every gap is handled by the policy above.
@@ -41,7 +52,7 @@ from common.errors import FencedError, NotABatchError
 from common.events import Event, decode_batch
 from common.lifecycle import StateLog
 from common.settings import GapPolicy
-from common.store import ApplyResult, BatchStatus, Instance, Store, TierOps
+from common.store import ApplyResult, BatchStatus, Instance, Store, StoredCursor, TierOps
 from services.l1_ingest.apply import (
     Cursor,
     GroupSettings,
@@ -101,12 +112,20 @@ class RankStream:
         self.metrics, self.status = metrics, status
         self.name = f"{inst.ip}/r{rank}"
         self.replay_endpoint = rank_endpoint(inst.replay_endpoint, rank)
-        self.cursor = Cursor(applied=store.last_seq(inst.ip, rank))
-        # (seq, payload digest) of the last batch applied; a previous session's only if it
-        # is still the store's last sequence
-        self.digest = last_digest if last_digest and last_digest[0] == self.cursor.applied else None
+        self.stored = store.cursor(inst.ip, rank)
+        """The cursor this stream believes is stored: what every write is fenced by."""
+        self.cursor = Cursor(applied=self.stored.seq)
+        # (seq, payload digest) of the last batch applied: the store's, or (data written
+        # before digests were stored) a previous session's if it is still the store's seq
+        self.digest = _digest_of(self.stored)
+        if self.digest is None and last_digest and last_digest[0] == self.cursor.applied:
+            self.digest = last_digest
         self.replay: ReplayRequest | None = None
-        self.pending: tuple[int, bytes] | None = None
+        self.pending: list[tuple[int, bytes]] = []
+        self.resyncing = ""
+        """Why the rank is being re-synced after its stored cursor moved ("" = it is not)."""
+        self._unverified = True
+        """No batch seen since the last (re)connect and no replay to verify the lifetime."""
         self._replay_state = StateLog(logger, f"{self.name}: replay at {self.replay_endpoint!r}")
         self._replay_state.state = "available"  # only a change from here is logged
 
@@ -125,8 +144,9 @@ class RankStream:
         we followed, so an empty reply means vLLM restarted while we were not connected, and
         so does a batch at ``applied`` whose digest is not the one we applied.
         """
+        self._unverified = True
         if not self.paused:
-            self._start_replay(self._replay_start(), None)
+            self._start_replay(self._replay_start(), [])
 
     def on_live(self, seq: int, payload: bytes) -> None:
         if self.status is not None:
@@ -149,7 +169,8 @@ class RankStream:
         if verdict is Verdict.DUPLICATE:
             self.metrics.batches.inc(result=BatchStatus.DUPLICATE)
             return
-        if verdict is Verdict.GAP and self._start_replay(self._replay_start(), (seq, payload)):
+        unverified, self._unverified = self._unverified, False
+        if verdict is Verdict.GAP and self._start_replay(self._replay_start(), [(seq, payload)]):
             logger.info(
                 "%s: gap before seq %d (last applied %s): replaying",
                 self.name,
@@ -157,7 +178,31 @@ class RankStream:
                 self.cursor.applied,
             )
             return
+        if verdict is Verdict.GAP and unverified and self.cursor.applied not in (None, -1):
+            self._restart(
+                f"possible restart: seq {seq} follows seq {self.cursor.applied} right after a "
+                "(re)connect, and no replay can verify the lifetime",
+                [(seq, payload)],
+            )
+            return
         self._write_run([(seq, payload)], counting_gap=verdict is Verdict.GAP)
+
+    def resync(self, why: str, held: list[tuple[int, bytes]]) -> None:
+        """The stored cursor is not the one this stream follows (a write was refused, or the
+        periodic check saw it): re-read it and re-sync from it, then write ``held``."""
+        stored = self.store.cursor(self.inst.ip, self.rank)
+        self.resyncing = f"{why}; stored cursor {_show(stored)}, ours {_show(self.stored)}"
+        logger.warning("%s: %s: re-syncing", self.name, self.resyncing)
+        self.metrics.resyncs.inc()
+        if self.status is not None:
+            self.status.resynced(self.resyncing)
+        self.close()
+        self.stored, self.cursor, self.digest = stored, Cursor(stored.seq), _digest_of(stored)
+        held = sorted(held)
+        if self.digest is None:
+            self._reset(f"{why}: nothing to verify a replay against", held)
+        elif not self._start_replay(self.digest[0], held):
+            self._reset(f"{why}: no replay to re-sync from", held)
 
     def finish_replay(self) -> None:
         """The replay ended (end marker or deadline): write its batches, then the held one."""
@@ -168,7 +213,7 @@ class RankStream:
         batches = sorted(replay.batches, key=lambda b: b[0])
         if self.status is not None:
             self.status.batches += len(batches)
-        held, self.pending = self.pending, None
+        held, self.pending = self.pending, []
         logger.info(
             "%s: replay from %d returned %d batches%s",
             self.name,
@@ -177,15 +222,14 @@ class RankStream:
             "" if replay.complete else " before timing out",
         )
         if self._other_bytes_at_applied(replay.start_seq, batches):
-            self._restart(f"its batch {replay.start_seq} is not the one applied", held)
+            self._restart(f"replay: its batch {replay.start_seq} is not the one applied", held)
             return
-        if held is None and replay.complete and not batches:
-            self._empty_catch_up()
+        if not held and replay.complete and not batches and not self._empty_catch_up():
+            return
         if self.cursor.applied is None and batches and batches[0][0] > replay.start_seq:
             self.cursor.applied = replay.start_seq - 1  # joined a trimmed buffer: a gap
-        if held is not None:
-            batches.append(held)
-        self._write_run(batches, counting_gap=held is not None)
+        if self._write_run(batches + held, counting_gap=bool(held)):
+            self.resyncing = ""
 
     def close(self) -> None:
         if self.replay is not None:
@@ -206,17 +250,20 @@ class RankStream:
         seq, payload = batches[0]
         return seq == start and payload_digest(payload) != self.digest[1]
 
-    def _empty_catch_up(self) -> None:
-        """A connect-time replay found nothing at or after where we stand."""
+    def _empty_catch_up(self) -> bool:
+        """A connect-time replay found nothing at or after where we stand; False if that
+        reset the rank (the publisher restarted)."""
         applied = self.cursor.applied
         if applied is None:
             # Nothing was published yet: the stream starts at 0, so if the first live batch
             # is lost (slow joiner, spec §1.2) the next one shows up as a gap.
             self.cursor.applied = -1
         elif applied >= 0:
-            self._restart(f"it no longer has seq {applied}", None)
+            self._restart(f"replay: it no longer has seq {applied}", [])
+            return False
+        return True
 
-    def _restart(self, why: str, held: tuple[int, bytes] | None) -> None:
+    def _restart(self, why: str, held: list[tuple[int, bytes]]) -> None:
         """The publisher restarted while we were away: reset the rank, replay from 0."""
         logger.warning(
             "%s: publisher restarted (%s): dropping the rank's index and replaying from 0",
@@ -224,18 +271,28 @@ class RankStream:
             why,
         )
         self.metrics.restarts.inc()
+        if self.status is not None:
+            self.status.restarted(f"r{self.rank}: {why}")
+        self._reset(why, held)
+
+    def _reset(self, why: str, held: list[tuple[int, bytes]]) -> None:
+        """Drop the rank's index (one fenced write, not fenced by the cursor) and rebuild it
+        from 0: replay, or else the held batches (with a gap before them)."""
         self.cursor.mark_restart()
         self.digest = None
         result = self.store.apply_batch(
             self.inst.ip, self.inst.gen, self.rank, -1, TierOps(), owner=self.owner, reset=True
         )
         if result.status is not BatchStatus.APPLIED:
-            raise self._refused(result, "the reset")
+            raise self._refused(result, f"the reset ({why})")
+        self.stored = StoredCursor(-1)
         self.cursor.mark_applied(-1)
-        if not self._start_replay(0, held) and held is not None:  # whatever it sent so far
-            self._write_run([held], counting_gap=True)
+        if self._start_replay(0, held):
+            return
+        if self._write_run(held, counting_gap=bool(held)):  # whatever it sent so far
+            self.resyncing = ""
 
-    def _start_replay(self, start: int, held: tuple[int, bytes] | None) -> bool:
+    def _start_replay(self, start: int, held: list[tuple[int, bytes]]) -> bool:
         """Ask for a replay from ``start`` holding ``held``; False if replay is unavailable."""
         if not self.replay_endpoint:
             return False
@@ -248,22 +305,38 @@ class RankStream:
         self.pending, self.replay = held, replay
         return True
 
-    def _write_run(self, batches: list[tuple[int, bytes]], *, counting_gap: bool) -> None:
-        """Write batches in sequence order; count the gap (if one was seen) by its outcome."""
+    def _write_run(self, batches: list[tuple[int, bytes]], *, counting_gap: bool) -> bool:
+        """Write batches in sequence order; count the gap (if one was seen) by its outcome.
+        False if the stored cursor moved meanwhile (the stream is re-syncing)."""
         steps, dropped = plan_run(self.cursor.applied, batches)
         if dropped:
             self.metrics.batches.inc(dropped, result=BatchStatus.DUPLICATE)
         unfilled = any(step.gap_before for step in steps)
         if counting_gap and not unfilled:
             self.metrics.gaps.inc(outcome="recovered")
-        for step in steps:
-            self._write(step)  # FencedError ends the run: the rest would be refused too
+        for i, step in enumerate(steps):
+            # FencedError ends the run: the rest would be refused too
+            if not self._write(step):
+                rest = [(s.seq, s.payload) for s in steps[i:]]
+                self.resync(f"the write of seq {step.seq} was refused", rest)
+                return False
+        return True
 
-    def _write(self, step: Step) -> None:
+    def _write(self, step: Step) -> bool:
         plan, events = self._plan(step)
         reset = self.cursor.reset_pending
         gap = False
-        if step.gap_before:
+        if step.gap_before and self.resyncing:
+            # writes the store lost that replay cannot give back: what they removed may
+            # still be in the index, so rebuild the rank rather than keep it
+            logger.error(
+                "%s: batches %s..%d are lost and not replayable: resetting the rank",
+                self.name,
+                self.cursor.expected(),
+                step.seq - 1,
+            )
+            reset = True
+        elif step.gap_before:
             self.metrics.gaps.inc(outcome="unrecoverable")
             logger.error(
                 "%s: batches %s..%d are lost (no replay covers them): %s the index",
@@ -274,6 +347,7 @@ class RankStream:
             )
             reset = reset or self.gap_policy == "clear"
             gap = self.gap_policy != "clear"
+        digest = payload_digest(step.payload)
         started = time.perf_counter()
         result = self.store.apply_batch(
             self.inst.ip,
@@ -284,19 +358,26 @@ class RankStream:
             owner=self.owner,
             reset=reset,
             gap=gap,
+            follows=self.stored,
+            digest=digest.hex(),
         )
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
         self.metrics.batches.inc(result=result.status)
         if result.status is BatchStatus.APPLIED:
             self.cursor.mark_applied(step.seq)
-            self.digest = (step.seq, payload_digest(step.payload))
+            self.digest = (step.seq, digest)
+            self.stored = StoredCursor(step.seq, digest.hex())
             self._count(plan)
             if self.status is not None and self.status.checker is not None:
                 self.status.checker.offer(events)
         elif result.status is BatchStatus.DUPLICATE:
-            self.cursor.applied = self.store.last_seq(self.inst.ip, self.rank)
+            self.stored = self.store.cursor(self.inst.ip, self.rank)
+            self.cursor.applied = self.stored.seq
+        elif result.status is BatchStatus.CURSOR_MOVED:
+            return False
         else:
             raise self._refused(result, f"the write of seq {step.seq}")
+        return True
 
     def _refused(self, result: ApplyResult, what: str) -> FencedError:
         logger.error(
@@ -335,3 +416,19 @@ class RankStream:
             self.metrics.skipped_media.inc(n, medium=medium)
         for tier, n in plan.hash_updates.items():
             self.metrics.hash_updates.inc(n, tier=tier)
+
+
+def _digest_of(cursor: StoredCursor) -> tuple[int, bytes] | None:
+    """The (seq, digest) a replay's first batch is compared with; None if none is stored."""
+    if cursor.seq is None or cursor.seq < 0 or not cursor.digest:
+        return None
+    try:
+        return cursor.seq, bytes.fromhex(cursor.digest)
+    except ValueError:
+        return None
+
+
+def _show(cursor: StoredCursor) -> str:
+    if cursor.seq is None or cursor.seq < 0:
+        return "none"
+    return f"seq {cursor.seq}" + (f" ({cursor.digest})" if cursor.digest else "")

@@ -16,6 +16,13 @@ backoff, without holding up the other instances. With no socket to poll (nothing
 yet, every instance waiting to retry) the loop waits on the stop event instead, because
 ``zmq.Poller.poll`` returns at once when it has nothing to watch.
 
+Every ``VERIFY_INTERVAL`` seconds one pipelined read compares the stored cursor (seq and
+digest) of every rank not replaying with the one its stream applied; a rank whose cursor moved
+(a Redis failover lost writes, the state hash was emptied) re-syncs at once, so a quiet
+instance heals within seconds, not at its next batch. The SUB socket's reconnect interval is
+capped at ``RECONNECT_MAX`` (not ``backoffMax``): a restarted vLLM is reconnected to, and its
+new lifetime recognised, within a few seconds.
+
 What survives a session of a rank (resubscribing after a failure, losing and regaining its
 lease) is the digest of the last payload applied there, kept per (ip, rank, generation), so
 the next session can tell a restarted vLLM from the one it followed (see ``stream``).
@@ -28,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from enum import Enum
 
 import redis
@@ -50,6 +58,10 @@ logger = logging.getLogger(__name__)
 POLL_MS = 250
 STATUS_INTERVAL = 1.0
 """Seconds between two writes of the instances' status (at most; see heartbeatInterval)."""
+VERIFY_INTERVAL = 2.0
+"""Seconds between two checks of the stored cursors against the streams' (lost writes)."""
+RECONNECT_MAX = 2.0
+"""Cap of the SUB socket's reconnect interval: a restarted publisher is noticed this fast."""
 DRAIN_MAX = 500
 """Messages read from one socket per poll round, so a busy instance cannot starve others."""
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
@@ -121,6 +133,7 @@ class Subscriber:
             store, cfg, metrics, owner=owner, ingester=ingester or owner or "unnamed"
         )
         self._status_due = 0.0
+        self._verify_due = time.monotonic() + VERIFY_INTERVAL
         self._poller = zmq.Poller()
         self._dirty = True
         self._idle = threading.Event()  # waited on when run_once is not given a stop event
@@ -149,6 +162,8 @@ class Subscriber:
         self._reconcile()
         if self._dirty:
             self._sync_poller()
+        if time.monotonic() >= self._verify_due:
+            self._verify_cursors()
         if time.monotonic() >= self._status_due:
             self._write_status()
         if not self._poller.sockets:  # poll() would return at once: wait, don't spin
@@ -240,7 +255,8 @@ class Subscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoff_initial * 1000)))
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoff_max * 1000)))
+        cap = min(self.cfg.backoff_max, RECONNECT_MAX)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(cap * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
         monitor = sub.get_monitor_socket(_MONITORED)
         conn = _Conn(stream, sub, monitor, StateLog(logger, f"publisher {stream.name}"))
@@ -288,10 +304,26 @@ class Subscriber:
             if ip in self._active and ranks:
                 conn = worst([c.state.state or ConnState.CONNECTING for c in ranks])
                 replaying = any(c.stream.replay is not None for c in ranks)
-                rounds.append(ConnRound(inst, conn, inst.zmq_endpoint, replaying))
+                resyncing = any(c.stream.resyncing for c in ranks)
+                rounds.append(ConnRound(inst, conn, inst.zmq_endpoint, replaying, resyncing))
             else:
                 rounds.append(ConnRound(inst, ConnState.RETRYING, "", False))
         self.board.write(rounds)
+
+    def _verify_cursors(self) -> None:
+        """Compare every idle rank's stored cursor with its stream's (one pipeline); a rank
+        whose cursor moved re-syncs. A Redis failure is left to the next write or check."""
+        self._verify_due = time.monotonic() + VERIFY_INTERVAL
+        conns = [c for c in self._conns.values() if not c.stream.paused]
+        try:
+            stored = self.store.cursors([(c.stream.inst.ip, c.stream.rank) for c in conns])
+        except redis.RedisError as exc:
+            logger.warning("cannot check the stored cursors: %s", exc)
+            return
+        for conn, cursor in zip(conns, stored, strict=True):
+            stream = conn.stream
+            if (stream.inst.ip, stream.rank) in self._conns and not cursor.same(stream.stored):
+                self._guarded(conn, partial(stream.resync, "the stored cursor moved", []))
 
     def _schedule_retry(self, ip: str, why: str) -> None:
         _, backoff = self._retry.get(ip, (0.0, None))

@@ -118,6 +118,27 @@ def parse_query_key_body(status: int, body: bytes) -> Replicas | None:
     return tuple(dict.fromkeys(_endpoints(replicas, "transport_endpoint_", "query_key", body)))
 
 
+_CHURN_WORDS = ("remove", "evict", "promot", "drain", "move", "copy")
+
+
+def parse_removals(body: bytes) -> int | None:
+    """Sum of the ``master_*`` counters that count a key leaving a replica; None if none."""
+    total, found = 0, False
+    for line in body.decode("utf-8", "replace").splitlines():
+        if not line.startswith("master_"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if any(w in name for w in _CHURN_WORDS) and not any(
+            w in name for w in ("fail", "attempt", "bytes", "_size")
+        ):
+            try:
+                total += int(float(line.rsplit(" ", 1)[1]))
+            except ValueError:
+                continue
+            found = True
+    return total if found else None
+
+
 def parse_segments_body(body: bytes) -> list[str]:
     return [s for s in body.decode("utf-8", "replace").splitlines() if s.strip()]
 
@@ -208,6 +229,15 @@ class MasterClient:
             return None
         _check(resp, "get_segments_detail", "application/json")
         return parse_segments_detail(resp.content)
+
+    def removals(self) -> int | None:
+        """The master's count of keys that ever left a replica (``/metrics``: removes,
+        evictions, promotions, drains, …, successes only); ``None`` if it does not say.
+        Unchanged between two listings = no listed key was removed and put again."""
+        resp = self._get("/metrics", self._segments_timeout)
+        if resp.status_code != 200:
+            return None
+        return parse_removals(resp.content)
 
     def batch_query(self, keys: Sequence[bytes]) -> dict[str, Replicas | None]:
         resp = self._get("/batch_query_keys?keys=" + b",".join(keys).decode())

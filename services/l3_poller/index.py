@@ -6,7 +6,9 @@ Per key only ``(namespace id << 64 | u64 hash) → location id`` is kept, in one
 says besides its hash (vLLM: model head, tp, pcp, dcp, pp, group; vllm-ascend: model,
 layout, pcp, dcp, head, pp, group, layer), interned once per distinct key prefix; a
 location is an interned tuple of replica endpoints. Located keys are not queried again while every
-endpoint of their location still maps to a live segment.
+endpoint of their location still maps to a live segment, unless the poll is told to
+``relocate`` (the master removed some key since the last poll, so a listed key may have been
+put again elsewhere: see the poller).
 
 Rules (see docs/l3-poller.md):
 
@@ -75,6 +77,8 @@ class PollStats:
     """Keys of KV-cache groups whose hashes are not vLLM block hashes (no set is made)."""
     unmappable: list[tuple[str, int]] = field(default_factory=list)
     """(model, group) of those groups."""
+    relocated: bool = False
+    """Every listed key was located again (the master removed keys since the last poll)."""
 
 
 class MasterIndex:
@@ -112,13 +116,16 @@ class MasterIndex:
         self._cur: dict[int, int] = {}
         self._cur_ns: set[int] = set()
         self.unresolved = False
+        self._relocate = False
         self.stats = PollStats()
 
     # -- one poll ------------------------------------------------------------------
 
-    def begin(self, segmap: SegmentMap) -> None:
+    def begin(self, segmap: SegmentMap, relocate: bool = False) -> None:
+        """Start a poll; ``relocate`` queries every listed key again, not only new ones."""
         self.remap(segmap)
-        self._cur, self._cur_ns, self.stats = {}, set(), PollStats()
+        self._relocate = relocate
+        self._cur, self._cur_ns, self.stats = {}, set(), PollStats(relocated=relocate)
 
     def remap(self, segmap: SegmentMap) -> None:
         """Resolve every known location against a (new) segment listing."""
@@ -135,6 +142,7 @@ class MasterIndex:
         once per key per poll."""
         stats, cur, known, loc_ok = self.stats, self._cur, self.keys, self._loc_ok
         prefixes, hex_match, add_ns = self._prefix_ns, HASH_HEX.fullmatch, self._cur_ns.add
+        relocate = self._relocate
         out: list[tuple[bytes, int]] = []
         n = bad = 0
         for line in lines:
@@ -153,7 +161,7 @@ class MasterIndex:
             ck = (ns << 64) | int(tail[-16:], 16)
             add_ns(ns)
             loc = cur[ck] = known.get(ck, UNLOCATED)
-            if not loc_ok[loc] and self.locate:
+            if (relocate or not loc_ok[loc]) and self.locate:
                 out.append((line, ck))
         stats.seen += n
         stats.parsed += n - bad

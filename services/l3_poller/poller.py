@@ -106,6 +106,8 @@ class MasterPoller:
             pins=pins_by_model((m.name, m.heads, m.pp_ranks, m.layers) for m in cfg.models),
         )
         self.has_batch = True
+        self._removals: int | None = None
+        """The master's removal count before the last committed listing (None = unknown)."""
         self.view: MasterView | None = None
         self.last_stats: PollStats | None = None
         self.error = ""
@@ -188,7 +190,12 @@ class MasterPoller:
         started = time.monotonic()
         gens = self.writer.generations()  # before listing: data never outlives its pod
         segmap = self._segments()
-        self.index.begin(segmap)
+        removals = self.client.removals() if self.index.locate else None
+        # A listed key can only have moved if some key was removed since the last listing
+        # (a put never replaces a key); then every key is located again, so no location
+        # is older than one poll. Unknown counts (no /metrics) relocate too.
+        relocate = removals is None or removals != self._removals
+        self.index.begin(segmap, relocate=relocate and self.index.locate)
         try:
             pending = _Pending(self.cfg.batch_size, [], [], [])
             deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
@@ -203,6 +210,7 @@ class MasterPoller:
             if self.index.unresolved:  # a segment mounted after we listed them
                 self.index.remap(self._segments())
             stats = self.index.commit()
+            self._removals = removals
         except BaseException:
             self.index.abort()
             raise

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +238,49 @@ class Scenario:
         self.out["located_total"] = located
         self.out["located_steady_delta"] = self.counter("keys_located_total") - located
         self.out["batch_calls"] = self.counter("locate_calls_total")
+        self._moves()
         self._crash_and_stale(p1, p2, p3)
+
+    def _moves(self) -> None:
+        """Issue 20 item 2: keys removed on A and put again by B between two polls (pinned),
+        then rounds of removals and unpinned re-puts by the other pod; the index is
+        compared with where the master says each key is (``/batch_query_keys``)."""
+        pod_a, pod_b = self.pods[A], self.pods[B]
+        p4 = prompt(4, 6)
+        ks = keys_of(p4)
+        pod_a.call("put", ks, pin=True)
+        self.settle()
+        started = time.monotonic()
+        self.out["move"] = pod_a.call("remove", ks[:3]) + pod_b.call("put", ks[:3], pin=True)
+        self.settle()
+        self.out["moved_seconds"] = time.monotonic() - started
+        ints = HASHER.event_ints(p4, BLOCK)
+        self.out["p4_on"] = {ip: [h in self.store.l3_members(ip) for h in ints] for ip in (A, B)}
+        p5 = prompt(5, 24)
+        ks5, ints5 = keys_of(p5), HASHER.event_ints(p5, BLOCK)
+        pod_a.call("put", ks5)
+        for r in range(6):  # churn: the holder of a third of the keys changes each round
+            gone, comes = (pod_a, pod_b) if r % 2 == 0 else (pod_b, pod_a)
+            gone.call("remove", ks5[r % 3 :: 3])
+            comes.call("put", ks5[r % 3 :: 3])
+            self.settle(1)
+        started = time.monotonic()
+        self.settle()
+        self.out["churn_settle_seconds"] = time.monotonic() - started
+        truth = self._holders(ks5)
+        self.out["p5_truth"] = {ip: [ip in truth[k] for k in ks5] for ip in (A, B)}
+        self.out["p5_index"] = {
+            ip: [h in self.store.l3_members(ip) for h in ints5] for ip in (A, B)
+        }
+
+    def _holders(self, ks: list[str]) -> dict[str, set[str]]:
+        """key → the hosts of its replicas, as the master says now."""
+        body = httpx.get(self.master_url + "/batch_query_keys", params={"keys": ",".join(ks)})
+        data = body.json()["data"]
+        return {
+            k: {v["transport_endpoint_"].rsplit(":", 1)[0] for v in data[k]["values"] or []}
+            for k in ks
+        }
 
     def _crash_and_stale(self, p1: list[int], p2: list[int], p3: list[int]) -> None:
         pod_b = self.pods[B]

@@ -101,6 +101,11 @@ class Rig:
 
 @pytest.fixture()
 def rig(redis_client: redis.Redis) -> Iterator[Rig]:
+    yield from make_rig(redis_client)
+
+
+def make_rig(redis_client: redis.Redis) -> Iterator[Rig]:
+    """The ``rig`` fixture's body (other modules' fixtures yield from it)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     r = Rig(Store(redis_client), ctx, reserve_ports(2))
     yield r

@@ -80,6 +80,15 @@ class FakePublisher:
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
         return seq, data
 
+    def publish_payload(self, data: bytes, *, send: bool = True) -> int:
+        """One new batch with the given payload (e.g. removals); returns its sequence."""
+        seq = self.next_seq
+        self.next_seq += 1
+        self.buffer.append((seq, data))
+        if send and self.pub is not None:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+        return seq
+
     def restart(self) -> None:
         """vLLM restarted: a new publisher, sequence 0 again, an empty replay buffer."""
         self.lifetime += 1

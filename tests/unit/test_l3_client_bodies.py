@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from services.l3_poller.client import (
+    parse_removals,
     MasterError,
     parse_batch_body,
     split_lines,
@@ -238,3 +239,21 @@ def test_a_body_without_newlines_is_streamed_in_bounded_memory() -> None:
         tracemalloc.stop()
     assert out == [b"key"] and skipped["too_long"] == 1
     assert peak < 1 << 20, f"peak {peak} bytes"
+
+
+def test_removals_sum_the_counters_of_keys_leaving_a_replica() -> None:
+    """Names as a real 0.3.13.post1 master exposes them (probed with two store clients)."""
+    body = (
+        b"# TYPE master_remove_requests_total counter\n"
+        b"master_remove_requests_total 3\n"
+        b"master_remove_failures_total 7\n"
+        b"master_put_start_requests_total 43\n"
+        b"master_evicted_key_count 5\n"
+        b"master_evicted_size_bytes 20480\n"
+        b"master_attempted_evictions_total 11\n"
+        b'master_successful_evictions_total{tenant="a"} 2\n'
+        b"master_key_count 40\n"
+    )
+    assert parse_removals(body) == 10
+    assert parse_removals(b"master_key_count 40\n") is None
+    assert parse_removals(b"") is None

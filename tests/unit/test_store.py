@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from common import keys
-from common.store import Instance, Store, TierOps
+from common.store import Instance, Store, StoredCursor, TierOps
 from tests.conftest import wait_for
 
 IP = "10.0.0.5"
@@ -86,6 +86,51 @@ def test_reset_clears_the_rank_before_applying(store: Store) -> None:
     assert store.tier_members(IP) == {4}
     assert store.tier_members(IP, "l2") == set()
     assert store.last_seq(IP, 0) == 0
+
+
+def test_a_write_is_refused_unless_the_stored_cursor_is_the_one_it_follows(store: Store) -> None:
+    """Issue 19 item 2 (L1): a batch names the cursor (seq, digest) it follows; a failover
+    that took writes back, or an emptied state hash, refuses it and changes nothing."""
+    gen = _register(store)
+
+    def write(seq: int, follows: StoredCursor, digest: str, hashes: list[int]) -> str:
+        ops = _ops(("S", "l1", hashes))
+        return store.apply_batch(IP, gen, 0, seq, ops, follows=follows, digest=digest).status
+
+    assert write(0, StoredCursor(), "aa", [1]) == "applied"  # nothing stored = -1
+    assert store.cursor(IP, 0) == StoredCursor(0, "aa")
+    assert write(1, StoredCursor(0, "bb"), "cc", [2]) == "cursor_moved"  # other bytes at 0
+    assert write(1, StoredCursor(), "cc", [2]) == "cursor_moved"  # believes nothing stored
+    assert write(1, StoredCursor(0, "aa"), "cc", [2]) == "applied"
+    assert write(2, StoredCursor(1, "cc"), "dd", [3]) == "applied"
+    store.r.hset(keys.l1_state(IP), mapping={"seq:0": "1", "dig:0": "cc"})  # a lost write
+    assert write(3, StoredCursor(2, "dd"), "ee", [4]) == "cursor_moved"
+    assert store.cursor(IP, 0) == StoredCursor(1, "cc") and store.tier_members(IP) == {1, 2, 3}
+    store.r.delete(keys.l1_state(IP))  # the hash emptied
+    assert write(3, StoredCursor(2, "dd"), "ee", [4]) == "cursor_moved"
+    assert store.cursor(IP, 0) == StoredCursor() and store.tier_members(IP) == {1, 2, 3}
+
+
+def test_a_reset_is_not_fenced_by_the_cursor_and_drops_the_digest(store: Store) -> None:
+    gen = _register(store, dp_size=2)
+    store.apply_batch(IP, gen, 0, 4, _ops(("S", "l1", [1])), digest="aa")
+    res = store.apply_batch(IP, gen, 0, -1, TierOps(), reset=True, follows=StoredCursor(9, "x"))
+    assert res.status == "applied" and store.tier_members(IP) == set()
+    assert store.cursor(IP, 0) == StoredCursor(-1, "")
+    assert StoredCursor(-1, "").same(StoredCursor())  # -1 and no field: nothing applied
+    res = store.apply_batch(
+        IP, gen, 0, 0, _ops(("S", "l1", [2])), follows=StoredCursor(), digest="dd"
+    )
+    assert res.status == "applied"
+    store.apply_batch(IP, gen, 0, 1, TierOps())  # unchecked, no digest: none recorded
+    res = store.apply_batch(IP, gen, 0, 2, TierOps(), follows=StoredCursor(0, ""))
+    assert res.status == "cursor_moved"  # the same (empty) digest, another seq
+    store.apply_batch(IP, gen, 1, 7, TierOps(), digest="bb")
+    assert store.cursors([(IP, 0), (IP, 1), ("10.9.9.9", 0)]) == [
+        StoredCursor(1, ""),
+        StoredCursor(7, "bb"),
+        StoredCursor(),
+    ]
 
 
 def test_all_blocks_cleared_only_clears_its_rank(store: Store) -> None:
