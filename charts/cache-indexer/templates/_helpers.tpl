@@ -52,6 +52,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if .Values.redis.url }}
 {{- .Values.redis.url }}
 {{- else if .Values.redis.existingSecret }}
+{{- else if .Values.redis.sentinel.addresses }}
 {{- else if .Values.redis.enabled }}
 {{- printf "redis://%s:%d/0" (include "cache-indexer.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) }}
 {{- else }}
@@ -62,9 +63,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{/* Where the Redis TLS Secret is mounted in every cache-indexer container. */}}
 {{- define "cache-indexer.redisTLSDir" -}}/etc/redis-tls{{- end }}
 
+{{/* Where the Redis Sentinel TLS Secret is mounted. */}}
+{{- define "cache-indexer.sentinelTLSDir" -}}/etc/redis-sentinel-tls{{- end }}
+
 {{/* "true" when the chart runs its own Redis (redis.enabled and no external URL/Secret). */}}
 {{- define "cache-indexer.bundledRedis" -}}
-{{- if and .Values.redis.enabled (not .Values.redis.url) (not .Values.redis.existingSecret) }}true{{ end }}
+{{- if and .Values.redis.enabled (not .Values.redis.url) (not .Values.redis.existingSecret) (not .Values.redis.sentinel.addresses) }}true{{ end }}
 {{- end }}
 
 {{- define "cache-indexer.configPath" -}}/etc/cache-indexer/config.yaml{{- end }}
@@ -120,6 +124,11 @@ volumes:
     secret:
       secretName: {{ .root.Values.redis.tls.secret }}
   {{- end }}
+  {{- if .root.Values.redis.sentinel.tls.secret }}
+  - name: redis-sentinel-tls
+    secret:
+      secretName: {{ .root.Values.redis.sentinel.tls.secret }}
+  {{- end }}
 {{- end }}
 
 {{/* Container fields shared by every cache-indexer container: (dict "root" $ "resources" map). */}}
@@ -151,6 +160,13 @@ env:
         name: {{ .root.Values.redis.passwordSecret }}
         key: {{ .root.Values.redis.passwordSecretKey }}
   {{- end }}
+  {{- if .root.Values.redis.sentinel.existingSecret }}
+  - name: CACHE_INDEXER_REDIS_SENTINEL_PASSWORD
+    valueFrom:
+      secretKeyRef:
+        name: {{ .root.Values.redis.sentinel.existingSecret }}
+        key: {{ .root.Values.redis.sentinel.existingSecretKey }}
+  {{- end }}
   {{- with .root.Values.extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -167,6 +183,11 @@ volumeMounts:
   {{- if .root.Values.redis.tls.secret }}
   - name: redis-tls
     mountPath: {{ include "cache-indexer.redisTLSDir" .root }}
+    readOnly: true
+  {{- end }}
+  {{- if .root.Values.redis.sentinel.tls.secret }}
+  - name: redis-sentinel-tls
+    mountPath: {{ include "cache-indexer.sentinelTLSDir" .root }}
     readOnly: true
   {{- end }}
 {{- end }}
