@@ -28,6 +28,7 @@ from tests.fake_master import FakeMaster
 from tests.integration.fleet import PROCESSES, Fleet, answers_match, spawn, write_config
 from tests.redis_nodes import Cluster
 
+
 def _ips_on_every_master() -> list[str]:
     """One pod IP per third of the slot space (redis-cli gives 3 masters one third each)."""
     chosen: dict[int, str] = {}

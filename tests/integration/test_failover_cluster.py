@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ def run_cluster_lost_writes(
             master.proc = None
         finally:
             replica.proc.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
         lost = lost_cursors(replica_port, fleet)
         assert lost, "the replica had every write: nothing was lost, the test proves nothing"
         with Publishing(fleet, seed=500, only=[busy]):
@@ -135,6 +137,7 @@ def run_cluster_lost_writes(
                 timeout=60,
                 what="the replica to take over its master's slots",
             )
+        times["promotion after the replica resumed"] = time.monotonic() - resumed
         times["acknowledged writes lost"] = converge(
             api, fleet, store, CONVERGE, f"after a failover that lost {lost}"
         )

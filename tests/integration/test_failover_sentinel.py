@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,8 +99,10 @@ def run_kill_master_while_publishing(
     assert readyz(api)["redis"] == f"master at 127.0.0.1:{old}"
     with Publishing(fleet, seed=200, only=[BUSY]):
         wait_for(lambda: len(fleet.served[BUSY]) >= len(fleet.served[QUIET]) + 6, timeout=10)
+        killed = time.monotonic()
         s.kill(old)
         new = s.wait_failover(old)
+        times["promotion after kill -9"] = time.monotonic() - killed
     times["kill -9 master"] = converge(api, fleet, store, CONVERGE, "after kill -9 of the master")
     wait_for(
         lambda: readyz(api).get("redis") == f"master at 127.0.0.1:{new}",
@@ -136,9 +139,11 @@ def run_lost_writes(
         s.kill(master.port)
     finally:
         replica.proc.send_signal(signal.SIGCONT)
+    resumed = time.monotonic()
     lost = _lost_cursors(replica.port, fleet)
     assert lost, "the replica had every write: nothing was lost, the test proves nothing"
     s.wait_failover(master.port)
+    times["promotion after the replica resumed"] = time.monotonic() - resumed
     with Publishing(fleet, seed=500, only=[BUSY]):
         wait_for(lambda: len(fleet.served[BUSY]) >= len(fleet.served[QUIET]) + 6, timeout=10)
     times["acknowledged writes lost"] = converge(

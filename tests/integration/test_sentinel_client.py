@@ -1,0 +1,117 @@
+"""The Redis client on real Sentinel servers (Debian's redis-sentinel; 1 master, 1 replica, 3
+sentinels on loopback): it follows a promotion, takes READONLY from a demoted master as a
+failover signal (never an error to the caller, never a write to the replica), and readiness
+names the role it talks to — 503 on a replica, for the API and for the workers."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+
+import falcon.testing
+import pytest
+import redis
+
+from common.blockhash import BlockHasher, HashSettings
+from common.config import Duration, RedisSentinel
+from common.config import Redis as RedisConfig
+from common.health import Health
+from common.redis_client import connect, role, watch_role
+from common.settings import ApiSettings
+from common.store import Instance, Store
+from services.api.api_metrics import ApiMetrics
+from services.api.app import create_app
+from tests.conftest import require, wait_for
+from tests.redis_nodes import SENTINEL_MASTER, SentinelSet
+
+
+@pytest.fixture(scope="module")
+def sentinels() -> Iterator[SentinelSet]:
+    require(shutil.which("redis-sentinel"), "redis-sentinel (scripts/setup.sh installs it)")
+    s = SentinelSet().start()
+    yield s
+    s.cleanup()
+
+
+def _config(s: SentinelSet) -> RedisConfig:
+    return RedisConfig(
+        sentinel=RedisSentinel(addresses=s.addresses, master_name=SENTINEL_MASTER),
+        socket_timeout=Duration(1),
+        connect_timeout=Duration(1),
+    )
+
+
+def _api(store: Store) -> falcon.testing.TestClient:
+    hasher = BlockHasher(HashSettings())
+    return falcon.testing.TestClient(create_app(ApiSettings(), store, hasher, ApiMetrics()))
+
+
+def test_readonly_from_a_demoted_master_is_a_failover_signal(sentinels: SentinelSet) -> None:
+    """A graceful failover (SENTINEL FAILOVER) demotes the master under a pooled connection:
+    the next write is answered READONLY there, and lands on the new master instead."""
+    client = connect(_config(sentinels), retries=3)
+    store = Store(client)
+    old = sentinels.master_port()
+    assert old is not None
+    store.upsert_instance(Instance(ip="10.0.0.1", uid="a"))  # a pooled connection to `old`
+    assert role(client) == f"master at 127.0.0.1:{old}"
+    redis.Redis(port=sentinels.sentinels[0].port).execute_command(
+        "SENTINEL", "FAILOVER", SENTINEL_MASTER
+    )
+    new = sentinels.wait_failover(old)
+    wait_for(
+        lambda: redis.Redis(port=old).role()[0] == b"slave",
+        timeout=30,
+        what="the old master to be a replica",
+    )
+    store.upsert_instance(Instance(ip="10.0.0.2", uid="b"))  # READONLY → reconnect → retry
+    assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"}
+    assert role(client) == f"master at 127.0.0.1:{new}"
+    assert _api(store).simulate_get("/readyz").json == {
+        "status": "ok",
+        "redis": f"master at 127.0.0.1:{new}",
+    }
+    sentinels.wait_stable(new)
+    client.close()
+
+
+def test_readiness_on_a_replica_is_503_and_names_it(sentinels: SentinelSet) -> None:
+    """A plain ``redis.url`` that points at a replica (e.g. a master that was demoted): the
+    API's /readyz is 503 and a worker is not ready; both name the role."""
+    replica = next(n for n in sentinels.nodes if n.port != sentinels.master_port())
+    client = connect(RedisConfig(url=replica.url), retries=1)
+    result = _api(Store(client)).simulate_get("/readyz")
+    assert result.status_code == 503
+    assert result.json["redis"] == f"slave at 127.0.0.1:{replica.port}"
+    health, stop = Health(), threading.Event()
+    thread = watch_role(client, health, stop)
+    try:
+        wait_for(
+            lambda: (
+                health.readiness()
+                == (False, f"not ready: redis role: slave at 127.0.0.1:{replica.port}")
+            ),
+            timeout=10,
+            what="the worker's readiness to name the replica",
+        )
+    finally:
+        stop.set()
+        thread.join(10)
+    master = connect(_config(sentinels), retries=1)
+    health, stop = Health(), threading.Event()
+    thread = watch_role(master, health, stop)
+    try:
+        wait_for(
+            lambda: (
+                health.readiness()
+                == (True, f"ok (redis role: master at 127.0.0.1:{sentinels.master_port()})")
+            ),
+            timeout=10,
+            what="the worker's readiness to name the master",
+        )
+    finally:
+        stop.set()
+        thread.join(10)
+    client.close()
+    master.close()
