@@ -147,7 +147,11 @@ def watch_role(client: Client, health: Health, stop: threading.Event) -> threadi
 
     def loop() -> None:
         while True:
-            check()
+            try:
+                check()
+            except Exception:  # the top of the loop: log, keep checking
+                logger.exception("checking the Redis role failed")
+                cond.set(False, "the role check failed (see the log)")
             if stop.wait(ROLE_CHECK_INTERVAL):
                 return
 
