@@ -123,6 +123,17 @@ def is_replica(where: str) -> bool:
     return where.startswith(("slave", "replica"))
 
 
+def role_problem(where: str) -> str:
+    """Why the store :func:`role` named cannot hold the index ("" when it can: a master or a
+    cluster): a replica refuses writes and its copy is not kept up to date; a sentinel (a
+    ``redis.url`` pointing at one) knows no data commands."""
+    if where.startswith(("master", "cluster")):
+        return ""
+    if where.startswith("sentinel"):
+        return "redis.url names a Sentinel: set redis.sentinel (addresses, masterName)"
+    return "the state store is a replica: it refuses writes, its copy is not kept up to date"
+
+
 ROLE_CHECK_INTERVAL = 5.0
 """Seconds between two ROLE checks of a worker's client (:func:`watch_role`)."""
 
@@ -140,7 +151,8 @@ def watch_role(client: Client, health: Health, stop: threading.Event) -> threadi
         except redis.RedisError as exc:
             cond.set(False, f"no answer: {type(exc).__name__}: {exc}")
             return
-        cond.set(not is_replica(where), where)
+        problem = role_problem(where)
+        cond.set(not problem, f"{where} ({problem})" if problem else where)
         if is_replica(where) and isinstance(client, redis.Redis):
             logger.warning("the state store is a replica (%s): reconnecting", where)
             client.connection_pool.disconnect()

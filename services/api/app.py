@@ -8,12 +8,12 @@ connection pool must not cross a fork).
 Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET
 /kv-cache/instances`` (:mod:`services.api.instances`), ``GET /healthz``
 (liveness: answers while the process serves), ``GET /readyz`` (Redis ROLE: ``redis`` names
-the role and address it talks to; 503 with a reason if Redis does not answer or is a
-replica, whose copy is frozen), ``GET /metrics`` (Prometheus text, summed over workers).
-Every error — ours, Falcon's 404/405, an unexpected exception — is JSON: on the hit-rate path in the
-contract's shape ``{"server_score_list": [], "message": …, "status": <http status>}``,
-elsewhere ``{"message": …, "status": …}``. Every answer names the worker process that gave
-it in an ``X-Served-By`` header (its pid).
+the role and address it talks to; 503 with a reason if Redis does not answer, is a
+replica, whose copy is frozen, or is a sentinel), ``GET /metrics`` (Prometheus text,
+summed over workers). Every error — ours, Falcon's 404/405, an unexpected exception — is
+JSON: on the hit-rate path in the contract's shape ``{"server_score_list": [], "message": …,
+"status": <http status>}``, elsewhere ``{"message": …, "status": …}``. Every answer names
+the worker process that gave it in an ``X-Served-By`` header (its pid).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import redis
 from common.blockhash import BlockHasher
 from common.config import Redis, config_path_from, load_config
 from common.errors import RequestError
-from common.redis_client import Client, connect, is_replica, role
+from common.redis_client import Client, connect, role, role_problem
 from common.settings import ApiSettings
 from common.store import Store
 from common.status_report import Limits, StatusReader
@@ -62,15 +62,10 @@ class _Ready:
                 {"status": "unavailable", "reason": f"the state store is unreachable: {exc}"}
             )
             return
-        if is_replica(where):
+        problem = role_problem(where)
+        if problem:
             resp.status = falcon.HTTP_503
-            resp.data = orjson.dumps(
-                {
-                    "status": "unavailable",
-                    "reason": "the state store is a replica: its copy is not kept up to date",
-                    "redis": where,
-                }
-            )
+            resp.data = orjson.dumps({"status": "unavailable", "reason": problem, "redis": where})
             return
         resp.data = orjson.dumps({"status": "ok", "redis": where})
 

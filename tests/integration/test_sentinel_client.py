@@ -77,8 +77,8 @@ def test_readonly_from_a_demoted_master_is_a_failover_signal(sentinels: Sentinel
 
 
 def test_readiness_on_a_replica_is_503_and_names_it(sentinels: SentinelSet) -> None:
-    """A plain ``redis.url`` that points at a replica (e.g. a master that was demoted): the
-    API's /readyz is 503 and a worker is not ready; both name the role."""
+    """A plain ``redis.url`` that points at a replica (e.g. a master that was demoted), or at
+    a sentinel: the API's /readyz is 503 and a worker is not ready; both name the role."""
     replica = next(n for n in sentinels.nodes if n.port != sentinels.master_port())
     client = connect(RedisConfig(url=replica.url), retries=1)
     result = _api(Store(client)).simulate_get("/readyz")
@@ -90,7 +90,11 @@ def test_readiness_on_a_replica_is_503_and_names_it(sentinels: SentinelSet) -> N
         wait_for(
             lambda: (
                 health.readiness()
-                == (False, f"not ready: redis role: slave at 127.0.0.1:{replica.port}")
+                == (
+                    False,
+                    f"not ready: redis role: slave at 127.0.0.1:{replica.port} (the state "
+                    "store is a replica: it refuses writes, its copy is not kept up to date)",
+                )
             ),
             timeout=10,
             what="the worker's readiness to name the replica",
@@ -98,6 +102,11 @@ def test_readiness_on_a_replica_is_503_and_names_it(sentinels: SentinelSet) -> N
     finally:
         stop.set()
         thread.join(10)
+    sentinel = connect(RedisConfig(url=sentinels.sentinels[0].url), retries=1)
+    result = _api(Store(sentinel)).simulate_get("/readyz")
+    assert result.status_code == 503, "redis.url naming a sentinel is not a store"
+    assert result.json["reason"].startswith("redis.url names a Sentinel: set redis.sentinel")
+    sentinel.close()
     master = connect(_config(sentinels), retries=1)
     health, stop = Health(), threading.Event()
     thread = watch_role(master, health, stop)
