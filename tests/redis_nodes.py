@@ -129,7 +129,8 @@ SENTINEL_MASTER = "cache-indexer"
 class SentinelSet:
     """A master, ``replicas`` replicas and ``sentinels`` sentinels (Debian's redis-sentinel),
     all on loopback, quorum 2, a node down after ``down_ms``. Nodes are killed with SIGKILL
-    and restarted on the same port and dir (without persistence they come back empty)."""
+    and restarted on the same port and dir (without persistence they come back empty).
+    ``password`` protects the data nodes, ``sentinel_password`` the sentinels (apart)."""
 
     def __init__(
         self,
@@ -137,15 +138,24 @@ class SentinelSet:
         sentinels: int = 3,
         down_ms: int = 1000,
         extra: tuple[str, ...] = (),
+        password: str = "",
+        sentinel_password: str = "",
     ) -> None:
-        self.down_ms = down_ms
-        self.nodes = [Node("redis-server", list(extra))]
+        self.down_ms, self.password, self.sentinel_password = down_ms, password, sentinel_password
+        self.auth = {"password": password} if password else {}
+        self.sentinel_auth = {"password": sentinel_password} if sentinel_password else {}
+        args = [*extra, *(["--requirepass", password, "--masterauth", password] * bool(password))]
+        self.nodes = [Node("redis-server", list(args), ping=self.auth)]
         master = self.nodes[0]
         self.nodes += [
-            Node("redis-server", [*extra, "--replicaof", "127.0.0.1", str(master.port)])
+            Node(
+                "redis-server",
+                [*args, "--replicaof", "127.0.0.1", str(master.port)],
+                ping=self.auth,
+            )
             for _ in range(replicas)
         ]
-        self.sentinels = [Node("redis-sentinel", ping={}) for _ in range(sentinels)]
+        self.sentinels = [Node("redis-sentinel", ping=self.sentinel_auth) for _ in range(sentinels)]
 
     @property
     def addresses(self) -> list[str]:
@@ -166,13 +176,15 @@ class SentinelSet:
             f"port {s.port}\nbind 127.0.0.1\ndir {s.dir}\nprotected-mode no\n"
             f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master} 2\n"
             f"sentinel down-after-milliseconds {SENTINEL_MASTER} {self.down_ms}\n"
-            f"sentinel failover-timeout {SENTINEL_MASTER} 4000\n",
+            f"sentinel failover-timeout {SENTINEL_MASTER} 4000\n"
+            + (f"sentinel auth-pass {SENTINEL_MASTER} {self.password}\n" * bool(self.password))
+            + (f"requirepass {self.sentinel_password}\n" * bool(self.sentinel_password)),
             encoding="utf-8",
         )
         s.proc = subprocess.Popen(
             [s.exe, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        client = redis.Redis(port=s.port, socket_timeout=1)
+        client = redis.Redis(port=s.port, socket_timeout=1, **self.sentinel_auth)
         wait_for(client.ping, timeout=15, what=f"redis-sentinel on {s.port} to answer PING")
         client.close()
 
@@ -180,7 +192,7 @@ class SentinelSet:
         """The master's port by a majority of the sentinels, None while they disagree."""
         seen: list[int] = []
         for s in self.sentinels:
-            client = redis.Redis(port=s.port, socket_timeout=1)
+            client = redis.Redis(port=s.port, socket_timeout=1, **self.sentinel_auth)
             try:
                 addr = client.sentinel_get_master_addr_by_name(SENTINEL_MASTER)
                 seen.append(int(addr[1]))
@@ -195,7 +207,7 @@ class SentinelSet:
         return next(n for n in self.nodes if n.port == port)
 
     def _is(self, port: int, role: str) -> bool:
-        client = redis.Redis(port=port, socket_timeout=1)
+        client = redis.Redis(port=port, socket_timeout=1, **self.auth)
         try:
             reply: Any = client.role()
             return bool(reply[0] in (role, role.encode()))
@@ -214,7 +226,7 @@ class SentinelSet:
             for n in self.nodes:
                 if n.port == master or n.proc is None:
                     continue
-                info = redis.Redis(port=n.port, socket_timeout=1).info("replication")
+                info = redis.Redis(port=n.port, socket_timeout=1, **self.auth).info("replication")
                 if info.get("master_port") != master or info.get("master_link_status") != "up":
                     return False
             return True

@@ -8,13 +8,15 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import falcon.testing
 import pytest
 import redis
+import yaml
 
 from common.blockhash import BlockHasher, HashSettings
-from common.config import Duration, RedisSentinel
+from common.config import Duration, RedisSentinel, load_config
 from common.config import Redis as RedisConfig
 from common.health import Health
 from common.redis_client import connect, role, watch_role
@@ -124,3 +126,39 @@ def test_readiness_on_a_replica_is_503_and_names_it(sentinels: SentinelSet) -> N
         thread.join(10)
     client.close()
     master.close()
+
+
+def test_the_sentinels_password_is_apart_from_the_data_nodes(tmp_path: Path) -> None:
+    """Sentinels with a password of their own (``requirepass`` in sentinel.conf) in front of
+    data nodes with another: both from the environment, as the chart's Secrets give them;
+    each used where it belongs, and either missing is an error, not a hang."""
+    s = SentinelSet(password="data-pw", sentinel_password="sentinel-pw").start()
+    try:
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "redis": {
+                        "socketTimeout": "1s",
+                        "sentinel": {"addresses": s.addresses, "masterName": SENTINEL_MASTER},
+                    }
+                }
+            )
+        )
+        env = {
+            "CACHE_INDEXER_REDIS_PASSWORD": "data-pw",
+            "CACHE_INDEXER_REDIS_SENTINEL_PASSWORD": "sentinel-pw",
+        }
+        cfg = load_config(config, env=env).redis
+        client = connect(cfg, retries=1)
+        Store(client).upsert_instance(Instance(ip="10.0.0.1", uid="a"))
+        assert role(client) == f"master at 127.0.0.1:{s.nodes[0].port}"
+        client.close()
+        for missing in ("CACHE_INDEXER_REDIS_PASSWORD", "CACHE_INDEXER_REDIS_SENTINEL_PASSWORD"):
+            partial = {k: v for k, v in env.items() if k != missing}
+            other = connect(load_config(config, env=partial).redis, retries=0)
+            with pytest.raises(redis.ConnectionError):
+                other.ping()
+            other.close()
+    finally:
+        s.cleanup()
