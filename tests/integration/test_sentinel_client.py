@@ -1,7 +1,7 @@
 """The Redis client on real Sentinel servers (Debian's redis-sentinel; 1 master, 1 replica, 3
-sentinels on loopback): it follows a promotion, takes READONLY from a demoted master as a
-failover signal (never an error to the caller, never a write to the replica), and readiness
-names the role it talks to — 503 on a replica, for the API and for the workers."""
+sentinels on loopback): it follows a promotion under pooled connections (never an error to
+the caller, never a write to the demoted master), and readiness names the role it talks
+to — 503 on a replica or a sentinel, for the API and for the workers."""
 
 from __future__ import annotations
 
@@ -49,9 +49,13 @@ def _api(store: Store) -> falcon.testing.TestClient:
     return falcon.testing.TestClient(create_app(ApiSettings(), store, hasher, ApiMetrics()))
 
 
-def test_readonly_from_a_demoted_master_is_a_failover_signal(sentinels: SentinelSet) -> None:
-    """A graceful failover (SENTINEL FAILOVER) demotes the master under a pooled connection:
-    the next write is answered READONLY there, and lands on the new master instead."""
+def test_a_failover_under_pooled_connections_moves_the_next_write_to_the_new_master(
+    sentinels: SentinelSet,
+) -> None:
+    """A graceful failover (SENTINEL FAILOVER) demotes the master under a pooled connection
+    (Sentinel also closes the demoted master's clients; one that is still open gets READONLY,
+    which redis-py turns into a reconnect): the next write lands on the new master, without
+    an error reaching the caller."""
     client = connect(_config(sentinels), retries=3)
     store = Store(client)
     old = sentinels.master_port()
@@ -67,7 +71,7 @@ def test_readonly_from_a_demoted_master_is_a_failover_signal(sentinels: Sentinel
         timeout=30,
         what="the old master to be a replica",
     )
-    store.upsert_instance(Instance(ip="10.0.0.2", uid="b"))  # READONLY → reconnect → retry
+    store.upsert_instance(Instance(ip="10.0.0.2", uid="b"))  # reconnect → the sentinels → new
     assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"}
     assert role(client) == f"master at 127.0.0.1:{new}"
     assert _api(store).simulate_get("/readyz").json == {
