@@ -17,8 +17,15 @@ charts/cache-indexer/files/prometheus-rules.yaml rendered with every ``for:`` cu
    hash unit the failing self-check cannot confirm), CacheIndexerL3MasterStale and
    CacheIndexerL3PollErrors (the dead master); nothing fires for A;
 3. stopping pod C fires CacheIndexerInstanceNotSynced for C;
-4. stopping Redis fires CacheIndexerRedisUnreachable, and the API's Redis error counter the
-   dashboard and that rule select has series.
+4. a Redis ``maxmemory`` just above its use fires CacheIndexerRedisMemoryHigh;
+5. stopping the only ingester fires CacheIndexerInstanceUnassigned;
+6. stopping Redis fires CacheIndexerRedisUnreachable (API, discovery, poller) and
+   CacheIndexerHitRateErrors, and the API's Redis error counter that the dashboard and that
+   rule select has series.
+
+Not induced here (their rules are unit-tested with promtool, their gauges elsewhere): a
+stuck worker loop, unparsed Mooncake keys (they need store clients in a network
+namespace), a slow API.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 import yaml
 
 from tests.conftest import ROOT, RedisServer, require, reserve_port, wait_for
@@ -311,8 +319,11 @@ def _run(
     )
     stack.pod(C, *ports[C], "--seed", "3")
     metrics = {job: reserve_port() for job in JOBS if job != "api"}
-    for job, port in metrics.items():
-        stack.cli(job, job, "--config", str(config), "--metrics-port", str(port))
+    workers = {
+        job: stack.cli(job, job, "--config", str(config), "--metrics-port", str(port))
+        for job, port in metrics.items()
+    }
+    ingester = workers["l1-ingest"]
     stack.cli("api", "api", "--config", str(config))
     wait_for(
         lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,
@@ -372,15 +383,35 @@ def _run(
     )
     assert not fired("CacheIndexerInstanceNotSynced", server_ip=A)
 
-    # 4. Redis stops: the workers and the API say so.
+    # 4. Redis fills up: maxmemory just above what it uses now.
+    client = redis.Redis.from_url(redis_server.url)
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", int(used * 1.05))
+    client.close()
+    wait_for(lambda: prom.firing("CacheIndexerRedisMemoryHigh"), 60, 1.0, what="memory alert")
+
+    # 5. the only ingester stops: nobody follows A any more.
+    ingester.terminate()
+    ingester.wait(15)
+    wait_for(
+        lambda: fired("CacheIndexerInstanceUnassigned", server_ip=A), 60, 1.0, what="unassigned"
+    )
+
+    # 6. Redis stops: the workers and the API say so, and hit-rate requests fail.
     redis_server.stop()
 
     def redis_alert() -> bool:
         _hit_rate(api)
         jobs = {a.get("job") for a in prom.firing("CacheIndexerRedisUnreachable")}
-        return {"api", "l1-ingest"} <= jobs
+        return {"api", "discovery", "l3-poll"} <= jobs
 
-    wait_for(redis_alert, 90, 1.0, what="Redis unreachable alert from the API and an ingester")
+    try:
+        wait_for(redis_alert, 90, 1.0, what="Redis unreachable alert from the API and the workers")
+    except AssertionError:
+        alerts = prom.firing("CacheIndexerRedisUnreachable")
+        conditions = prom.query("cache_indexer_worker_condition")
+        raise AssertionError(f"firing: {alerts}; conditions: {conditions}") from None
+    wait_for(lambda: prom.firing("CacheIndexerHitRateErrors"), 60, 1.0, what="5xx alert")
     # The per-instance gauges are gone now (the API cannot read them); the error counters
     # that only a Redis outage creates are there, with the labels the queries select.
     late = [e for e in exprs if {n for n, _ in selectors(e)} & AFTER_REDIS_STOPS]
