@@ -22,6 +22,9 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common.config import _CHOICES, KEY_FORMATS  # noqa: E402 (the checkout's own config)
+
 CHART = ROOT / "charts" / "cache-indexer"
 OUTPUT = CHART / "values.schema.json"
 
@@ -42,6 +45,12 @@ _RESOURCES: dict[str, Any] = {
 
 def _enum(*values: str) -> dict[str, Any]:
     return {"type": "string", "enum": list(values)}
+
+
+def config_choices() -> dict[str, set[str]]:
+    """The config file's enumerated keys (``common.config``): the same words, checked at
+    ``helm install`` instead of when a pod starts."""
+    return dict(_CHOICES)
 
 
 # Dotted path (``*`` = any component) → schema used instead of the default's.
@@ -76,20 +85,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "networkPolicy.kubeAPIPorts": {"type": "array", "items": {"type": "integer"}},
     "api.topologySpread.topologyKeys": _STRINGS,
     "api.topologySpread.whenUnsatisfiable": _enum("ScheduleAnyway", "DoNotSchedule"),
-    # Enumerations (the config loader checks them too, but only once a pod starts).
+    # Enumerations of the chart's own values; the config file's come from common.config.
     "image.pullPolicy": _enum("Always", "IfNotPresent", "Never"),
     "redis.image.pullPolicy": _enum("Always", "IfNotPresent", "Never"),
     "service.type": _enum("ClusterIP", "NodePort", "LoadBalancer"),
-    "log.level": _enum("debug", "info", "warn", "warning", "error"),
-    "log.format": _enum("json", "text"),
-    "discovery.mode": _enum("kubernetes", "static"),
-    "ingest.l1.onUnrecoverableGap": _enum("keep", "clear"),
-    "ingest.l1.shardMode": _enum("lease", "static"),
-    "ingest.l3.scope": _enum("segment", "pool"),
-    "ingest.l3.scheme": _enum("http", "https"),
+    **{path: _enum(*sorted(allowed)) for path, allowed in config_choices().items()},
     "ingest.l3.keyFormats": {
         "type": "array",
-        "items": {"type": "string", "enum": ["vllm", "vllm-ascend"]},
+        "items": {"type": "string", "enum": list(KEY_FORMATS)},
     },
     "redis.persistence.appendfsync": _enum("always", "everysec", "no"),
     # Text the config file takes as a string but users write as a number.

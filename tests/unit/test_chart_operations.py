@@ -86,6 +86,7 @@ def test_schema_is_generated_from_values_yaml() -> None:
         ({"api": {"replicas": "3"}}, "/api/replicas': got string, want integer"),
         ({"metrics": {"serviceMonitor": {"enable": True}}}, "'enable' not allowed"),
         ({"log": {"level": "verbose"}}, "/log/level"),
+        ({"blockKey": {"prefixCachingHashAlgo": "xxhash"}}, "/blockKey/prefixCachingHashAlgo"),
         ({"ingest": {"l1": {"hashCheckRate": "fast"}}}, "/ingest/l1/hashCheckRate"),
         ({"discovery": {"labels": {"engineKey": ["a"]}}}, "/discovery/labels/engineKey"),
         ({"redis": {"sentinel": {"addresses": "s:26379"}}}, "/redis/sentinel/addresses"),
