@@ -323,7 +323,6 @@ def _run(
         job: stack.cli(job, job, "--config", str(config), "--metrics-port", str(port))
         for job, port in metrics.items()
     }
-    ingester = workers["l1-ingest"]
     stack.cli("api", "api", "--config", str(config))
     wait_for(
         lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,
@@ -332,72 +331,85 @@ def _run(
         what="the API",
     )
     prom = _start_prometheus(stack, {"api": api, **metrics})
-
-    # 1. every target up; every selector has series; every dashboard query returns data.
-    wait_for(lambda: prom.targets_up() == {j: "up" for j in JOBS}, 60, 0.5, what="targets up")
     exprs = [r["expr"] for r in rules] + [q for _, q in queries]
+    _check_every_selector_and_query_has_data(prom, api, exprs, queries)
+    _check_standing_faults(prom, master, dead_master)
+    _check_induced_faults(prom, stack, redis_server, workers["l1-ingest"], api)
+    # The per-instance gauges are gone now (the API cannot read Redis); the error counters
+    # that only a Redis outage creates are there, with the labels the queries select.
+    late = [e for e in exprs if _names([e]) & AFTER_REDIS_STOPS]
+    assert late and _missing_selectors(prom, late, _names(exprs) - AFTER_REDIS_STOPS) == []
+
+
+def _fired(prom: Prom, alert: str, **labels: str) -> bool:
+    return any(all(a.get(k) == v for k, v in labels.items()) for a in prom.firing(alert))
+
+
+def _check_every_selector_and_query_has_data(
+    prom: Prom, api: int, exprs: list[str], queries: list[tuple[str, str]]
+) -> None:
+    """1. every target up; every selector has series; every dashboard query returns data."""
+    wait_for(lambda: prom.targets_up() == {j: "up" for j in JOBS}, 60, 0.5, what="targets up")
+    now = [q for _, q in queries if not _names([q]) & AFTER_REDIS_STOPS]
 
     def all_data() -> bool:
         _hit_rate(api)
-        return not _missing_selectors(prom, exprs, AFTER_REDIS_STOPS) and all(
-            prom.query(q)
-            for _, q in queries
-            if not {n for n, _ in selectors(q)} & AFTER_REDIS_STOPS
-        )
+        missing = _missing_selectors(prom, exprs, AFTER_REDIS_STOPS)
+        return not missing and all(prom.query(q) for q in now)
 
     try:
         wait_for(all_data, 90, 1.0, what="every selector and dashboard query to have data")
     except AssertionError:
         missing = _missing_selectors(prom, exprs, AFTER_REDIS_STOPS)
-        empty = [t for t, q in queries if not prom.query(q)]
+        empty = [t for t, q in queries if q in now and not prom.query(q)]
         raise AssertionError(f"no data: selectors {missing}; panels {empty}") from None
 
-    # 2. faults present from the start fire for the faulty instance / master only.
-    def fired(alert: str, **labels: str) -> bool:
-        return any(all(a.get(k) == v for k, v in labels.items()) for a in prom.firing(alert))
 
-    wait_for(lambda: fired("CacheIndexerHashMismatch", server_ip=B), 90, 1.0, what="mismatch alert")
-    assert not fired("CacheIndexerHashMismatch", server_ip=A)
-    wait_for(lambda: fired("CacheIndexerInexactAnswers", server_ip=B), 60, 1.0, what="inexact")
-    assert not fired("CacheIndexerInexactAnswers", server_ip=A)
+def _check_standing_faults(prom: Prom, master: str, dead_master: str) -> None:
+    """2. faults present from the start fire for the faulty instance / master only."""
     wait_for(
-        lambda: fired("CacheIndexerL3MasterStale", url=dead_master), 60, 1.0, what="stale alert"
+        lambda: _fired(prom, "CacheIndexerHashMismatch", server_ip=B), 90, 1.0, what="mismatch"
+    )
+    assert not _fired(prom, "CacheIndexerHashMismatch", server_ip=A)
+    wait_for(
+        lambda: _fired(prom, "CacheIndexerInexactAnswers", server_ip=B), 60, 1.0, what="inexact"
+    )
+    assert not _fired(prom, "CacheIndexerInexactAnswers", server_ip=A)
+    wait_for(
+        lambda: _fired(prom, "CacheIndexerL3MasterStale", url=dead_master), 60, 1.0, what="stale"
     )
     wait_for(
-        lambda: fired("CacheIndexerL3PollErrors", master=dead_master), 60, 1.0, what="poll errors"
+        lambda: _fired(prom, "CacheIndexerL3PollErrors", master=dead_master), 60, 1.0, what="errors"
     )
-    assert not fired("CacheIndexerL3MasterStale", url=master)
+    assert not _fired(prom, "CacheIndexerL3MasterStale", url=master)
     for alert in ("CacheIndexerInstanceNotSynced", "CacheIndexerInstanceUnassigned"):
         assert not any(a.get("server_ip") in (A, C) for a in prom.firing(alert)), alert
     assert prom.firing("CacheIndexerWorkerNotLive") == []
     assert prom.firing("CacheIndexerRedisUnreachable") == []
 
-    # 3. a pod that stops: its instance is no longer synced.
+
+def _check_induced_faults(
+    prom: Prom,
+    stack: Stack,
+    redis_server: RedisServer,
+    ingester: subprocess.Popen[bytes],
+    api: int,
+) -> None:
+    """3.-6.: a pod stops, Redis fills up, the ingester stops, Redis stops."""
     stack.pods[C].terminate()
     stack.pods[C].wait(15)
-    wait_for(
-        lambda: fired("CacheIndexerInstanceNotSynced", server_ip=C),
-        90,
-        1.0,
-        what="not-synced alert",
-    )
-    assert not fired("CacheIndexerInstanceNotSynced", server_ip=A)
+    wait_for(lambda: _fired(prom, "CacheIndexerInstanceNotSynced", server_ip=C), 90, 1.0, what="C")
+    assert not _fired(prom, "CacheIndexerInstanceNotSynced", server_ip=A)
 
-    # 4. Redis fills up: maxmemory just above what it uses now.
-    client = redis.Redis.from_url(redis_server.url)
-    used = int(client.info("memory")["used_memory"])
-    client.config_set("maxmemory", int(used * 1.05))
+    client = redis.Redis.from_url(redis_server.url)  # maxmemory just above what it uses
+    client.config_set("maxmemory", int(int(client.info("memory")["used_memory"]) * 1.05))
     client.close()
     wait_for(lambda: prom.firing("CacheIndexerRedisMemoryHigh"), 60, 1.0, what="memory alert")
 
-    # 5. the only ingester stops: nobody follows A any more.
-    ingester.terminate()
+    ingester.terminate()  # the only one: nobody follows A any more
     ingester.wait(15)
-    wait_for(
-        lambda: fired("CacheIndexerInstanceUnassigned", server_ip=A), 60, 1.0, what="unassigned"
-    )
+    wait_for(lambda: _fired(prom, "CacheIndexerInstanceUnassigned", server_ip=A), 60, 1.0, what="A")
 
-    # 6. Redis stops: the workers and the API say so, and hit-rate requests fail.
     redis_server.stop()
 
     def redis_alert() -> bool:
@@ -412,7 +424,3 @@ def _run(
         conditions = prom.query("cache_indexer_worker_condition")
         raise AssertionError(f"firing: {alerts}; conditions: {conditions}") from None
     wait_for(lambda: prom.firing("CacheIndexerHitRateErrors"), 60, 1.0, what="5xx alert")
-    # The per-instance gauges are gone now (the API cannot read them); the error counters
-    # that only a Redis outage creates are there, with the labels the queries select.
-    late = [e for e in exprs if {n for n, _ in selectors(e)} & AFTER_REDIS_STOPS]
-    assert late and _missing_selectors(prom, late, _names(exprs) - AFTER_REDIS_STOPS) == []
