@@ -104,8 +104,19 @@ def test_a_typo_or_a_wrong_type_fails_lint_and_template(
 
 @pytest.mark.parametrize(
     "values",
-    [None, ORIGINAL, SENTINEL, MONITORING_ON, {"blockKey": {"pythonHashSeed": 42}}],
-    ids=["defaults", "original-values", "redis-sentinel", "monitoring", "numeric-seed"],
+    [
+        None,
+        ORIGINAL,
+        SENTINEL,
+        MONITORING_ON,
+        {
+            **MONITORING_ON,
+            "networkPolicy": {"enabled": True},
+            "api": {"autoscaling": {"enabled": True}},
+        },
+        {"blockKey": {"pythonHashSeed": 42}},
+    ],
+    ids=["defaults", "original-values", "redis-sentinel", "monitoring", "all-on", "numeric-seed"],
 )
 def test_good_values_pass_the_schema(helm: Any, values: dict[str, Any] | None) -> None:
     assert _lint_errors(helm, values) == []
