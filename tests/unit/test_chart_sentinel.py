@@ -82,3 +82,23 @@ def test_sentinel_tls_secret_is_mounted_and_named_in_the_config(helm: Any) -> No
         "certFile": "/etc/redis-sentinel-tls/tls.crt",
         "keyFile": "/etc/redis-sentinel-tls/tls.key",
     }
+
+
+def test_network_policies_let_every_component_reach_the_sentinels(helm: Any) -> None:
+    docs = _render(
+        helm,
+        {
+            "networkPolicy": {"enabled": True},
+            "redis": {"sentinel": {**SENTINEL, "addresses": ["s-0:26379", "s-1:26380"]}},
+        },
+    )
+    policies = [p for p in docs["NetworkPolicy"] if "redis" not in p["metadata"]["name"]]
+    assert len(policies) == len(COMPONENTS)
+    for policy in policies:
+        (to_redis,) = [
+            e for e in policy["spec"]["egress"] if {"port": 6379, "protocol": "TCP"} in e["ports"]
+        ]
+        assert to_redis["ports"] == [
+            {"port": p, "protocol": "TCP"} for p in (6379, 26379, 26380)
+        ], "the data nodes (redis.port) and each sentinel port"
+        assert "to" not in to_redis, "external: anywhere"
