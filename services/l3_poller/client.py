@@ -143,6 +143,8 @@ def parse_removals(body: bytes) -> Churn | None:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if not any(w in name for w in _CHURN_WORDS) or any(w in name for w in _NOT_CHURN):
             continue
+        if name not in PER_KEY and name.startswith(PER_KEY):
+            continue  # a breakdown of a per-key count (0.3.13: master_evicted_key_count_mem)
         try:
             value = int(float(line.rsplit(" ", 1)[1]))
         except ValueError:

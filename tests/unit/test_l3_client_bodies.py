@@ -250,6 +250,10 @@ def test_removals_sum_the_counters_of_keys_leaving_a_replica() -> None:
         b"master_remove_failures_total 7\n"
         b"master_put_start_requests_total 43\n"
         b"master_evicted_key_count 5\n"
+        b"master_evicted_key_count_mem 5\n"
+        b"master_successful_evictions_mem 2\n"
+        b"master_evicted_size_bytes_mem 20480\n"
+        b"master_attempted_evictions_mem 11\n"
         b"master_evicted_size_bytes 20480\n"
         b"master_attempted_evictions_total 11\n"
         b'master_successful_evictions_total{tenant="a"} 2\n'
