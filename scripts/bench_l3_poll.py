@@ -32,7 +32,9 @@ With ``--relocation`` it measures issue 20's re-location (a key put again elsewh
 two polls): the current poller (reads the master's removal counters each poll and locates
 every key again when they moved) and the previous one (locates new keys only) side by side
 in one run, on the same master: first poll, steady polls, a poll after 1 % of the blocks
-were replaced (removals: the current poller re-locates every key), a steady poll after.
+were replaced by new ones (removals that the vanished keys account for: nothing re-located),
+a poll after 1 % of the keys were removed and put again on a random segment (the current
+poller lists again and re-locates every key), a steady poll after.
 
 Usage: ``python scripts/bench_l3_poll.py [--sizes 100000,1000000]``,
 ``python scripts/bench_l3_poll.py --relocation --sizes 1000000``,
@@ -64,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.settings import L3PollerSettings  # noqa: E402
 from common.store import Instance, Store  # noqa: E402
-from services.l3_poller.client import MasterClient, parse_batch_body  # noqa: E402
+from services.l3_poller.client import Churn, MasterClient, parse_batch_body  # noqa: E402
 from services.l3_poller.keys_parser import parse_key  # noqa: E402
 from services.l3_poller.metrics import PollerMetrics  # noqa: E402
 from services.l3_poller.poller import MasterPoller  # noqa: E402
@@ -119,8 +121,14 @@ def serve(n_keys: int, family: str = "") -> None:
     master.start()
     print(master.url, flush=True)
     for line in sys.stdin:
-        frac = float(line.split()[1])
+        cmd, frac = line.split()[0], float(line.split()[1])
         keys = list(master.keys.items())
+        if cmd == "move":  # a fraction of the keys removed and put again elsewhere
+            moved = rng.sample(keys, int(len(keys) * frac))
+            master.set_keys({**dict(keys), **{k: (rng.choice(eps),) for k, _ in moved}})
+            master.all_keys_body()
+            print("ok", flush=True)
+            continue
         cut = int(len(keys) * frac) // 2 * 2
         master.set_keys(
             {**dict(keys[cut:]), **_block_keys(rng, _blocks_for(cut, hybrid), eps, hybrid)}
@@ -288,9 +296,9 @@ class Bench:
             row["redis_write_s"] = time.perf_counter() - t
         self.out[name] = row
 
-    def churn(self, frac: float) -> None:
+    def churn(self, frac: float, cmd: str = "churn") -> None:
         assert self.server.stdin is not None and self.server.stdout is not None
-        self.server.stdin.write(f"churn {frac}\n")
+        self.server.stdin.write(f"{cmd} {frac}\n")
         self.server.stdin.flush()
         assert self.server.stdout.readline().strip() == "ok"
 
@@ -306,9 +314,11 @@ class Bench:
     def relocation(self) -> None:
         """The current and the previous poller side by side, poll for poll."""
         pollers = {"current": self.poller(), "previous": self.poller(previous=True)}
-        for step in ("first", "steady", "steady2", "churn_1pct", "steady_after"):
+        for step in RELOCATION_STEPS:
             if step == "churn_1pct":
                 self.churn(0.01)
+            elif step == "moved_1pct":
+                self.churn(0.01, "move")
             for name, poller in pollers.items():
                 self.poll(poller, f"{name}:{step}", write=False)
 
@@ -372,11 +382,14 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+RELOCATION_STEPS = ("first", "steady", "steady2", "churn_1pct", "moved_1pct", "steady_after")
+
+
 class _PreviousClient(MasterClient):
     """The poller before issue 20: no removal counters read, so no key is located again."""
 
-    def removals(self) -> int | None:
-        return 0
+    def removals(self) -> Churn | None:
+        return Churn(0, 0)
 
 
 def child(n_keys: int, hybrid: bool = False, relocation: bool = False) -> None:
@@ -437,7 +450,7 @@ def report_relocation(rows: list[dict[str, Any]]) -> None:
     print("| keys | poll | current: wall s | keys located | previous: wall s | keys located |")
     print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        for step in ("first", "steady", "steady2", "churn_1pct", "steady_after"):
+        for step in RELOCATION_STEPS:
             cur, prev = r[f"current:{step}"], r[f"previous:{step}"]
             print(
                 f"| {r['keys']:,} | {step} | {cur['wall_s']:.2f} | {int(cur['located']):,} | "

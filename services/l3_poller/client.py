@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import orjson
@@ -118,25 +118,42 @@ def parse_query_key_body(status: int, body: bytes) -> Replicas | None:
     return tuple(dict.fromkeys(_endpoints(replicas, "transport_endpoint_", "query_key", body)))
 
 
+PER_KEY = ("master_evicted_key_count", "master_remove_requests_total")
+"""Counters that grow by one per key removed (evicted, or one ``Remove`` request)."""
 _CHURN_WORDS = ("remove", "evict", "promot", "drain", "move", "copy")
+_NOT_CHURN = ("fail", "attempt", "bytes", "_size", "successful_evictions")
 
 
-def parse_removals(body: bytes) -> int | None:
-    """Sum of the ``master_*`` counters that count a key leaving a replica; None if none."""
-    total, found = 0, False
+class Churn(NamedTuple):
+    """What ``/metrics`` says of keys leaving replicas: ``per_key`` counts one per key
+    (:data:`PER_KEY`); ``other`` sums every other counter of keys leaving or moving
+    (batch/all/regex removes, promotions, drains, …), which cannot be counted per key."""
+
+    per_key: int
+    other: int
+
+
+def parse_removals(body: bytes) -> Churn | None:
+    """The :class:`Churn` counters of a ``/metrics`` body; None without a per-key one."""
+    per_key = other = 0
+    found = False
     for line in body.decode("utf-8", "replace").splitlines():
         if not line.startswith("master_"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if any(w in name for w in _CHURN_WORDS) and not any(
-            w in name for w in ("fail", "attempt", "bytes", "_size")
-        ):
-            try:
-                total += int(float(line.rsplit(" ", 1)[1]))
-            except ValueError:
-                continue
-            found = True
-    return total if found else None
+        if not any(w in name for w in _CHURN_WORDS) or any(w in name for w in _NOT_CHURN):
+            continue
+        if name not in PER_KEY and name.startswith(PER_KEY):
+            continue  # a breakdown of a per-key count (0.3.13: master_evicted_key_count_mem)
+        try:
+            value = int(float(line.rsplit(" ", 1)[1]))
+        except ValueError:
+            continue
+        if name in PER_KEY:
+            per_key, found = per_key + value, True
+        else:
+            other += value
+    return Churn(per_key, other) if found else None
 
 
 def parse_segments_body(body: bytes) -> list[str]:
@@ -230,10 +247,9 @@ class MasterClient:
         _check(resp, "get_segments_detail", "application/json")
         return parse_segments_detail(resp.content)
 
-    def removals(self) -> int | None:
-        """The master's count of keys that ever left a replica (``/metrics``: removes,
-        evictions, promotions, drains, …, successes only); ``None`` if it does not say.
-        Unchanged between two listings = no listed key was removed and put again."""
+    def removals(self) -> Churn | None:
+        """The master's counts of keys that left a replica (``/metrics``, see
+        :func:`parse_removals`); ``None`` if it does not say."""
         resp = self._get("/metrics", self._segments_timeout)
         if resp.status_code != 200:
             return None

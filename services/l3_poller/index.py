@@ -220,6 +220,11 @@ class MasterIndex:
             self._compact()
         return self.stats
 
+    def gone(self) -> int:
+        """Keys of the last committed poll that this poll's listing (so far) does not hold."""
+        cur = self._cur
+        return sum(1 for ck in self.keys if ck not in cur)
+
     def abort(self) -> None:
         self._cur, self._cur_ns = {}, set()
 

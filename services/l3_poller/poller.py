@@ -36,6 +36,7 @@ from common.settings import L3PollerSettings
 from common.store import Store
 from services.l3_poller.client import (
     MAX_URL_BYTES,
+    Churn,
     MasterClient,
     MasterError,
     NoBatchEndpoint,
@@ -106,8 +107,8 @@ class MasterPoller:
             pins=pins_by_model((m.name, m.heads, m.pp_ranks, m.layers) for m in cfg.models),
         )
         self.has_batch = True
-        self._removals: int | None = None
-        """The master's removal count before the last committed listing (None = unknown)."""
+        self._removals: Churn | None = None
+        """The master's removal counts before the last committed listing (None = unknown)."""
         self.view: MasterView | None = None
         self.last_stats: PollStats | None = None
         self.error = ""
@@ -191,21 +192,17 @@ class MasterPoller:
         gens = self.writer.generations()  # before listing: data never outlives its pod
         segmap = self._segments()
         removals = self.client.removals() if self.index.locate else None
-        # A listed key can only have moved if some key was removed since the last listing
-        # (a put never replaces a key); then every key is located again, so no location
-        # is older than one poll. Unknown counts (no /metrics) relocate too.
-        relocate = removals is None or removals != self._removals
-        self.index.begin(segmap, relocate=relocate and self.index.locate)
+        # Counts unknown (no /metrics, or none before): every key is located again at once.
+        blind = self.index.locate and bool(self.index.keys)
+        blind = blind and (removals is None or self._removals is None)
+        deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
+        self.index.begin(segmap, relocate=blind)
         try:
-            pending = _Pending(self.cfg.batch_size, [], [], [])
-            deadline = started + max(4 * self.cfg.http_timeout, 2 * self.cfg.poll_interval)
-            for lines in self.client.iter_keys(deadline, self.index.stats.skipped):
-                self.beat.beat()
-                for key, key_id in self.index.feed(lines):
-                    pending.add(key, key_id)
-                if self.stop.is_set():
-                    raise _Stopped
-            pending.flush()
+            pending = self._list(deadline)
+            if not blind and self._some_key_may_have_moved():
+                self.index.abort()
+                self.index.begin(segmap, relocate=True)
+                pending = self._list(deadline)
             self._locate(pending.batches)
             if self.index.unresolved:  # a segment mounted after we listed them
                 self.index.remap(self._segments())
@@ -224,6 +221,36 @@ class MasterPoller:
         m.master_blocks.set(blocks.complete, master=url)
         m.poll_seconds.observe(time.monotonic() - started, master=url)
         return MasterView(blocks, frozenset(segmap.attached), int(time.time() * 1000), gens=gens)
+
+    def _list(self, deadline: float) -> _Pending:
+        """Stream the listing into the index; the keys it says must be located."""
+        pending = _Pending(self.cfg.batch_size, [], [], [])
+        for lines in self.client.iter_keys(deadline, self.index.stats.skipped):
+            self.beat.beat()
+            for key, key_id in self.index.feed(lines):
+                pending.add(key, key_id)
+            if self.stop.is_set():
+                raise _Stopped
+        pending.flush()
+        return pending
+
+    def _some_key_may_have_moved(self) -> bool:
+        """True unless the master's counters prove that no key of the last listing was
+        removed and put again before this one (read now, after this listing).
+
+        A key changes holder only by being removed and put again. Every removal of a key
+        between its two listings happened between the counts read before the last listing
+        and now, so if the per-key removals in that window are no more than the known keys
+        that vanished from the listing, none of the keys still listed was removed. Any
+        other churn counter moving (batch removes, drains, promotions) cannot be counted
+        per key: then some key may have moved."""
+        if not self.index.locate or not self.index.keys:
+            return False
+        prev, now = self._removals, self.client.removals()
+        if prev is None or now is None or now.other != prev.other:
+            return True
+        removed = now.per_key - prev.per_key
+        return removed < 0 or removed > self.index.gone()
 
     def _segments(self) -> SegmentMap:
         return SegmentMap(self.client.segments(), self.client.segments_detail())

@@ -273,6 +273,37 @@ class Scenario:
             ip: [h in self.store.l3_members(ip) for h in ints5] for ip in (A, B)
         }
 
+    def _eviction(self) -> None:
+        """Real eviction pressure: A puts a prompt's blocks (unpinned), B fills both
+        segments with other keys until the master evicts, then B puts the prompt again
+        (the evicted blocks land anew, anywhere); the index is compared with the master."""
+        pod_a, pod_b = self.pods[A], self.pods[B]
+        p6 = prompt(6, 24)
+        ks, ints = keys_of(p6), HASHER.event_ints(p6, BLOCK)
+        pod_a.call("put", ks)
+        self.settle()
+        evicted = self.master_counter("master_evicted_key_count")
+        filler = [f"filler-{i}" for i in range(40_000)]  # 4 KiB each: 160 MB > 2 × 64 MB
+        for i in range(0, len(filler), 5_000):
+            pod_b.call("put", filler[i : i + 5_000])
+        self.out["evicted_keys"] = self.master_counter("master_evicted_key_count") - evicted
+        self.out["p6_evicted"] = sum(not h for h in self._holders(ks).values())
+        started = time.monotonic()
+        pod_b.call("put", ks)
+        self.settle()
+        self.out["eviction_settle_seconds"] = time.monotonic() - started
+        truth = self._holders(ks)
+        self.out["p6_truth"] = {ip: [ip in truth[k] for k in ks] for ip in (A, B)}
+        self.out["p6_index"] = {ip: [h in self.store.l3_members(ip) for h in ints] for ip in (A, B)}
+
+    def master_counter(self, name: str) -> float:
+        text = httpx.get(self.master_url + "/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((f"{name} ", f"{name}{{"))
+        )
+
     def _holders(self, ks: list[str]) -> dict[str, set[str]]:
         """key → the hosts of its replicas, as the master says now."""
         body = httpx.get(self.master_url + "/batch_query_keys", params={"keys": ",".join(ks)})
@@ -323,12 +354,15 @@ class Scenario:
         self.out["errors_total"] = self.counter("errors_total")
 
 
-def run_main(scope: str) -> int:
+def run_main(scope: str, eviction: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="l3-mooncake-") as tmp:
         scenario = Scenario(scope, Path(tmp))
         try:
             scenario.start()
-            scenario.run()
+            if eviction:  # on its own: the filler evicts the other steps' blocks too
+                scenario._eviction()
+            else:
+                scenario.run()
         except Exception as exc:  # noqa: BLE001 - reported to the test with the logs
             scenario.out["error"] = repr(exc)
             scenario.out["logs"] = {
@@ -345,6 +379,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run")
     run.add_argument("--scope", choices=["segment", "pool"], default="segment")
+    run.add_argument("--eviction", action="store_true", help="the eviction scenario only")
     client = sub.add_parser("client")
     client.add_argument("--host", required=True)
     client.add_argument("--master", required=True)
@@ -352,7 +387,7 @@ def main() -> int:
     if args.cmd == "client":
         client_main(args.host, args.master)
         return 0
-    return run_main(args.scope)
+    return run_main(args.scope, args.eviction)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from services.l3_poller.client import (
+    Churn,
     parse_removals,
     MasterError,
     parse_batch_body,
@@ -249,11 +250,18 @@ def test_removals_sum_the_counters_of_keys_leaving_a_replica() -> None:
         b"master_remove_failures_total 7\n"
         b"master_put_start_requests_total 43\n"
         b"master_evicted_key_count 5\n"
+        b"master_evicted_key_count_mem 5\n"
+        b"master_successful_evictions_mem 2\n"
+        b"master_evicted_size_bytes_mem 20480\n"
+        b"master_attempted_evictions_mem 11\n"
         b"master_evicted_size_bytes 20480\n"
         b"master_attempted_evictions_total 11\n"
         b'master_successful_evictions_total{tenant="a"} 2\n'
         b"master_key_count 40\n"
     )
-    assert parse_removals(body) == 10
+    assert parse_removals(body) == Churn(per_key=8, other=0)
+    batch = b"master_evicted_key_count 1\nmaster_batch_remove_requests_total 4\n"
+    assert parse_removals(batch) == Churn(per_key=1, other=4)
     assert parse_removals(b"master_key_count 40\n") is None
+    assert parse_removals(b"master_drain_jobs_total 1\n") is None  # nothing per key
     assert parse_removals(b"") is None
