@@ -111,11 +111,14 @@ def role(client: Client) -> str:
     if isinstance(client, RedisCluster):
         client.ping()
         return "cluster"
-    reply: Any = client.role()
+    try:
+        name = text(client.role()[0])
+    except redis.exceptions.NoPermissionError:  # an ACL without ROLE (@dangerous): ask INFO
+        name = str(client.info("replication").get("role", "unknown"))
     pool, kw = client.connection_pool, client.connection_pool.connection_kwargs
     host, port = getattr(pool, "master_address", None) or (kw.get("host"), kw.get("port"))
     where = f"{host}:{port}" if host else kw.get("path")  # a unix socket has a path
-    return f"{text(reply[0])} at {where}" if where else text(reply[0])
+    return f"{name} at {where}" if where else name
 
 
 def is_replica(where: str) -> bool:

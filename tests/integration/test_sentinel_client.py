@@ -24,7 +24,7 @@ from common.settings import ApiSettings
 from common.store import Instance, Store
 from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app
-from tests.conftest import require, wait_for
+from tests.conftest import Node, require, wait_for
 from tests.redis_nodes import SENTINEL_MASTER, SentinelSet
 
 
@@ -166,3 +166,18 @@ def test_the_sentinels_password_is_apart_from_the_data_nodes(tmp_path: Path) -> 
             other.close()
     finally:
         s.cleanup()
+
+
+def test_an_acl_without_role_still_names_the_role() -> None:
+    """ROLE is in @dangerous, which ACLs often deny: the role then comes from INFO (a user
+    allowed ``+info``, as docs/deploy.md's example), so readiness keeps working."""
+    acl = ["--user", "default", "off", "--user", "indexer", "on", ">pw", "~ci:*", "+@all"]
+    node = Node(args=[*acl, "-role"], ping={"username": "indexer", "password": "pw"}).start()
+    try:
+        client = connect(RedisConfig(url=node.url, username="indexer", password="pw"))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.role()
+        assert role(client) == f"master at 127.0.0.1:{node.port}"
+        client.close()
+    finally:
+        node.cleanup()
