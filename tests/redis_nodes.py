@@ -140,22 +140,35 @@ class SentinelSet:
         extra: tuple[str, ...] = (),
         password: str = "",
         sentinel_password: str = "",
+        certs: dict[str, str] | None = None,
     ) -> None:
         self.down_ms, self.password, self.sentinel_password = down_ms, password, sentinel_password
-        self.auth = {"password": password} if password else {}
-        self.sentinel_auth = {"password": sentinel_password} if sentinel_password else {}
+        self.certs = certs
+        tls = {"host": "127.0.0.1", "ssl": True, "ssl_ca_certs": certs["ca.crt"]} if certs else {}
+        self.auth: dict[str, Any] = {"password": password, **tls} if password else dict(tls)
+        self.sentinel_auth: dict[str, Any] = {**tls}
+        if sentinel_password:
+            self.sentinel_auth["password"] = sentinel_password
         args = [*extra, *(["--requirepass", password, "--masterauth", password] * bool(password))]
-        self.nodes = [Node("redis-server", list(args), ping=self.auth)]
-        master = self.nodes[0]
-        self.nodes += [
-            Node(
-                "redis-server",
-                [*args, "--replicaof", "127.0.0.1", str(master.port)],
-                ping=self.auth,
-            )
-            for _ in range(replicas)
+        ports = [reserve_port() for _ in range(replicas + 1)]
+        self.nodes = [
+            Node("redis-server", [*args, *self._tls_args(port)], port=port, ping=self.auth)
+            for port in ports
         ]
+        for replica in self.nodes[1:]:
+            replica.args += ["--replicaof", "127.0.0.1", str(ports[0])]
         self.sentinels = [Node("redis-sentinel", ping=self.sentinel_auth) for _ in range(sentinels)]
+
+    def _tls_args(self, port: int) -> list[str]:
+        """TLS only (no plain port), replication and Sentinel's links over TLS too."""
+        if not self.certs:
+            return []
+        c = self.certs
+        return [
+            *("--port", "0", "--tls-port", str(port), "--tls-replication", "yes"),
+            *("--tls-cert-file", c["server.crt"], "--tls-key-file", c["server.key"]),
+            *("--tls-ca-cert-file", c["ca.crt"], "--tls-auth-clients", "no"),
+        ]
 
     @property
     def addresses(self) -> list[str]:
@@ -172,8 +185,16 @@ class SentinelSet:
     def _start_sentinel(self, s: Node) -> None:
         conf = Path(s.dir) / "sentinel.conf"
         master = self.nodes[0].port
+        c = self.certs
+        listen = (
+            f"port 0\ntls-port {s.port}\ntls-replication yes\ntls-auth-clients no\n"
+            f"tls-cert-file {c['server.crt']}\ntls-key-file {c['server.key']}\n"
+            f"tls-ca-cert-file {c['ca.crt']}\n"
+            if c
+            else f"port {s.port}\n"
+        )
         conf.write_text(
-            f"port {s.port}\nbind 127.0.0.1\ndir {s.dir}\nprotected-mode no\n"
+            f"{listen}bind 127.0.0.1\ndir {s.dir}\nprotected-mode no\n"
             f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master} 2\n"
             f"sentinel down-after-milliseconds {SENTINEL_MASTER} {self.down_ms}\n"
             f"sentinel failover-timeout {SENTINEL_MASTER} 4000\n"

@@ -16,7 +16,7 @@ import redis
 import yaml
 
 from common.blockhash import BlockHasher, HashSettings
-from common.config import Duration, RedisSentinel, load_config
+from common.config import Duration, RedisSentinel, RedisTLS, load_config
 from common.config import Redis as RedisConfig
 from common.health import Health
 from common.redis_client import connect, role, watch_role
@@ -25,6 +25,7 @@ from common.store import Instance, Store
 from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app
 from tests.conftest import Node, require, wait_for
+from tests.integration.test_redis_auth_tls import _make_certs
 from tests.redis_nodes import SENTINEL_MASTER, SentinelSet
 
 
@@ -181,3 +182,42 @@ def test_an_acl_without_role_still_names_the_role() -> None:
         client.close()
     finally:
         node.cleanup()
+
+
+def test_sentinels_and_data_nodes_over_tls(tmp_path: Path) -> None:
+    """Everything TLS-only (no plain port): the data nodes trusted through ``redis.tls``, the
+    sentinels through their own ``redis.sentinel.tls``; a failover followed over TLS."""
+    certs = _make_certs(tmp_path)
+    s = SentinelSet(certs=certs).start()
+    try:
+        cfg = RedisConfig(
+            url="rediss://sentinel-managed/0",  # the host is the sentinels' business
+            tls=RedisTLS(enabled=True, ca_file=certs["ca.crt"]),
+            sentinel=RedisSentinel(
+                addresses=s.addresses,
+                master_name=SENTINEL_MASTER,
+                tls=RedisTLS(enabled=True, ca_file=certs["ca.crt"]),
+            ),
+            socket_timeout=Duration(1),
+            connect_timeout=Duration(1),
+        )
+        client = connect(cfg, retries=3)
+        store = Store(client)
+        store.upsert_instance(Instance(ip="10.0.0.1", uid="a"))
+        old = s.nodes[0].port
+        assert role(client) == f"master at 127.0.0.1:{old}"
+        s.kill(old)
+        new = s.wait_failover(old)
+        wait_for(
+            lambda: store.upsert_instance(Instance(ip="10.0.0.2", uid="b")),
+            timeout=30,
+            what="a write on the new master, over TLS",
+        )
+        assert role(client) == f"master at 127.0.0.1:{new}"
+        assert "10.0.0.2" in store.instance_ips()
+        plain = RedisConfig(sentinel=cfg.sentinel, socket_timeout=Duration(1))
+        with pytest.raises(redis.ConnectionError):  # the data nodes speak TLS only
+            connect(plain, retries=0).ping()
+        client.close()
+    finally:
+        s.cleanup()
