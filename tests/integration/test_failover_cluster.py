@@ -1,11 +1,10 @@
 """Every process on a Redis Cluster with replicas (3 masters, 3 replicas, loopback) while a
-master fails with its replica behind: writes the master acknowledged are really lost when
-the replica takes over. A busy pod and a quiet one, both kept by that master, must come
-back to the publishers' truth in every probe (tests/integration/fleet.py); then the old
-master comes back empty (it rejoins as a replica). The convergence times are printed by
-scripts/bench_failover.py, not asserted here.
+master is killed (kill -9, a pod publishing meanwhile) with its replica behind: writes the
+master acknowledged are really lost when the replica takes over. A busy pod and a quiet
+one, both kept by that master, must come back to the publishers' truth in every probe
+(tests/integration/fleet.py); then the old master comes back empty (it rejoins as a
+replica). The convergence times are printed by scripts/bench_failover.py, not asserted here.
 """
-
 from __future__ import annotations
 
 import signal
@@ -123,21 +122,24 @@ def run_cluster_lost_writes(
             fleet.serve(seed=400, steps=6)
             fleet.put_l3(nth=1)
             converge(api, fleet, store, CONVERGE, "the writes the master acknowledged")
-            master.proc.kill()
-            master.proc.wait()
-            master.proc = None
+            with Publishing(fleet, seed=500, only=[busy]):  # kill -9 while it publishes
+                sent = len(fleet.served[busy])
+                wait_for(lambda: len(fleet.served[busy]) >= sent + 6, timeout=10)
+                master.proc.kill()
+                master.proc.wait()
+                master.proc = None
+                replica.proc.send_signal(signal.SIGCONT)
+                resumed = time.monotonic()
+                lost = lost_cursors(replica_port, fleet)
+                wait_for(
+                    lambda: redis.Redis(port=replica_port).role()[0] == b"master",
+                    timeout=60,
+                    what="the replica to take over its master's slots",
+                )
+                times["promotion after the replica resumed"] = time.monotonic() - resumed
         finally:
             replica.proc.send_signal(signal.SIGCONT)
-        resumed = time.monotonic()
-        lost = lost_cursors(replica_port, fleet)
         assert lost, "the replica had every write: nothing was lost, the test proves nothing"
-        with Publishing(fleet, seed=500, only=[busy]):
-            wait_for(
-                lambda: redis.Redis(port=replica_port).role()[0] == b"master",
-                timeout=60,
-                what="the replica to take over its master's slots",
-            )
-        times["promotion after the replica resumed"] = time.monotonic() - resumed
         times["acknowledged writes lost"] = converge(
             api, fleet, store, CONVERGE, f"after a failover that lost {lost}"
         )
