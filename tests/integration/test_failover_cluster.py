@@ -5,6 +5,7 @@ one, both kept by that master, must come back to the publishers' truth in every 
 (tests/integration/fleet.py); then the old master comes back empty (it rejoins as a
 replica). The convergence times are printed by scripts/bench_failover.py, not asserted here.
 """
+
 from __future__ import annotations
 
 import signal
