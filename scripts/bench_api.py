@@ -411,7 +411,7 @@ class Servers:
             "BENCH_API_REDIS": os.environ["BENCH_API_REDIS"],
         }
         for port, worker, app in (
-            (ports[1], "services.api.worker.DeadlineWorker", "api_without_hashing_app()"),
+            (ports[1], "services.api.transport.worker.DeadlineWorker", "api_without_hashing_app()"),
             (ports[2], "gthread", "baseline_app()"),
         ):
             self._start(
