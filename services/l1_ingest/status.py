@@ -8,7 +8,7 @@ pipeline, fenced by generation and owner) into the instance's ``ci:{ip}:l1:state
 
 | field | meaning |
 |---|---|
-| ``ingester`` | id of the ingester writing (lease owner, or ``static-<host>-<pid>``) |
+| ``ingester`` | id of the ingester writing (``--id``, else ``<host>-<pid>-<6 hex>``: ``main.py``) |
 | ``status_ms`` | when this status was written (ms since epoch, the ingester's clock) |
 | ``subscribed_ms`` | when this ingester began following the instance |
 | ``last_event_ms`` | last batch (live or replayed) arrival, to ~1 s; absent = none yet |

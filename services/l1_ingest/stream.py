@@ -6,7 +6,9 @@ round trip). A gap starts a replay (when the instance has a replay endpoint); th
 that revealed it waits, and the subscriber stops reading the rank's SUB socket (ZMQ queues
 the rest) until :meth:`finish_replay` has written the replayed batches and then that one.
 What replay cannot cover is handled by ``ingest.l1.onUnrecoverableGap``: ``keep`` writes the
-next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True``.
+next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True``. A live
+sequence that goes backwards (:class:`~services.l1_ingest.apply.Verdict`) is a publisher
+restart: the rank is reset and replayed from 0.
 
 A write the store refuses (the instance changed generation, or another ingester owns it)
 raises :class:`~common.errors.FencedError` and ends the session: the subscriber drops the
@@ -22,11 +24,16 @@ that sequence, or holds different bytes at it, shows the publisher restarted (vL
 persist its sequence, and every payload carries a timestamp): the rank is reset and replayed
 from 0. The digest lives in memory only (the subscriber hands it to the next session of the
 same rank and generation); after an ingester restart it is unknown, and a vLLM that restarted
-meanwhile and already published past our sequence is taken for the one we followed. A replay
-that starts above the sequence asked for (trimmed buffer, spec §1.3) is an unrecoverable gap.
+meanwhile and already published past our sequence is taken for the one we followed: its
+new batches are applied as a continuation and the old lifetime's blocks stay until the rank
+is next reset (closing this needs the digest stored next to ``seq:<rank>`` by
+``apply_batch``). A replay that starts above the sequence asked for (trimmed buffer, spec
+§1.3), a first join from 0 included, is an unrecoverable gap.
 
 A replay endpoint ZMQ cannot connect to (``tcp://*:port``, no port) makes replay unavailable
-for the session: logged once, and every gap is handled by the policy above.
+for the session: logged once, and every gap is handled by the policy above; the other
+instances are never held up. Static discovery already skips such entries
+(``services/discovery/endpoints.py``).
 """
 
 from __future__ import annotations
@@ -291,6 +298,8 @@ class RankStream:
             self.cursor.mark_applied(step.seq)
             self.digest = (step.seq, payload_digest(step.payload))
             self._count(plan)
+            if result.unknown_removes:
+                self.metrics.unknown_removes.inc(result.unknown_removes)
             if self.status is not None and self.status.checker is not None:
                 self.status.checker.offer(events)
         elif result.status is BatchStatus.DUPLICATE:
