@@ -33,9 +33,8 @@ import orjson
 import redis
 
 from common.errors import RequestError
-from common.store import Store
 from services.api.api_metrics import ApiMetrics
-from services.api.scoring import Hit, Scorer, ViewCache, parse_view, raw_of
+from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +210,7 @@ def _bad(message: str) -> RequestError:
 
 def score(
     request: HitRateRequest,
-    store: Store,
+    store: StoreReads,
     hasher: Hasher,
     metrics: ApiMetrics,
     views: ViewCache | None = None,
@@ -320,7 +319,7 @@ class HitRateResource:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreReads,
         hasher: Hasher,
         metrics: ApiMetrics,
         body_limit: int,

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis
 
@@ -33,11 +34,18 @@ from common.errors import ConfigError
 from common.lifecycle import StateLog
 from common.settings import L1IngestSettings
 from common.status_report import ConnState
-from common.store import Instance, L1Status, Store
+from common.store import Instance, L1Status
 from services.l1_ingest.hashcheck import UNCHECKED, HashChecker
 from services.l1_ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class StatusWriter(Protocol):
+    """The status board's role of :class:`common.store.Store`."""
+
+    def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]: ...
+
 
 CONN_ORDER = tuple(ConnState)
 """Connection states, best first; an instance shows its worst rank."""
@@ -120,7 +128,7 @@ class StatusBoard:
 
     def __init__(
         self,
-        store: Store,
+        store: StatusWriter,
         cfg: L1IngestSettings,
         metrics: IngestMetrics,
         *,

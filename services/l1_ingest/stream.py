@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from typing import Protocol
 
 import zmq
 
@@ -48,7 +49,7 @@ from common.errors import FencedError, NotABatchError
 from common.events import Event, decode_batch
 from common.lifecycle import StateLog
 from common.settings import GapPolicy
-from common.store import ApplyResult, BatchStatus, Instance, Store, TierOps
+from common.store import ApplyResult, BatchStatus, Instance, TierOps
 from services.l1_ingest.apply import (
     Cursor,
     GroupSettings,
@@ -64,6 +65,25 @@ from services.l1_ingest.replay import ReplayRequest
 from services.l1_ingest.status import InstanceStatus
 
 logger = logging.getLogger(__name__)
+
+
+class BatchWriter(Protocol):
+    """A rank stream's role of :class:`common.store.Store`: fenced batch writes, the cursor."""
+
+    def apply_batch(
+        self,
+        ip: str,
+        gen: int,
+        rank: int,
+        seq: int,
+        ops: TierOps,
+        *,
+        owner: str = "",
+        reset: bool = False,
+        gap: bool = False,
+    ) -> ApplyResult: ...
+
+    def last_seq(self, ip: str, rank: int) -> int | None: ...
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -91,7 +111,7 @@ class RankStream:
         self,
         inst: Instance,
         rank: int,
-        store: Store,
+        store: BatchWriter,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
         owner: str,

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import redis
 import zmq
@@ -39,13 +40,18 @@ from common.health import Health
 from common.lifecycle import Backoff, StateLog
 from common.settings import L1IngestSettings
 from common.status_report import ConnState
-from common.store import Instance, Store
+from common.store import Instance
 from services.l1_ingest.apply import GroupSettings
 from services.l1_ingest.metrics import IngestMetrics
-from services.l1_ingest.status import ConnRound, StatusBoard, worst
-from services.l1_ingest.stream import RankStream, rank_endpoint
+from services.l1_ingest.status import ConnRound, StatusBoard, StatusWriter, worst
+from services.l1_ingest.stream import BatchWriter, RankStream, rank_endpoint
 
 logger = logging.getLogger(__name__)
+
+
+class L1Store(BatchWriter, StatusWriter, Protocol):
+    """The subscriber's role of :class:`common.store.Store`: its streams' and its board's."""
+
 
 POLL_MS = 250
 STATUS_INTERVAL = 1.0
@@ -96,7 +102,7 @@ class Subscriber:
 
     def __init__(
         self,
-        store: Store,
+        store: L1Store,
         cfg: L1IngestSettings,
         metrics: IngestMetrics,
         *,
