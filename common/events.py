@@ -244,12 +244,27 @@ def _hashable_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return {k: v for k, v in pairs if type(k) not in (list, dict)}
 
 
+class _Ext:
+    """A msgpack extension value, opaque: msgpack's own ``ExtType`` is a tuple, which
+    ``msgspec.convert`` would take for an array."""
+
+    def __init__(self, code: int, data: bytes) -> None:
+        self.code, self.data = code, data
+
+    def __repr__(self) -> str:
+        return f"ext {self.code} of {len(self.data)} bytes"
+
+
 def _unpack_tolerant(payload: bytes | msgspec.Raw) -> Any:
     """Plain objects; a map key that is an array or map is left out (msgspec refuses a map
     key that is a map). Invalid msgpack anywhere means the payload is not a batch."""
     try:
         return msgpack.unpackb(
-            memoryview(payload), raw=False, strict_map_key=False, object_pairs_hook=_hashable_pairs
+            memoryview(payload),
+            raw=False,
+            strict_map_key=False,
+            object_pairs_hook=_hashable_pairs,
+            ext_hook=_Ext,
         )
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise NotABatchError(f"not msgpack: {exc}", "not_a_batch") from exc

@@ -165,6 +165,16 @@ MALFORMED = [
     (["BlockRemoved"], "malformed"),
     ({"type": "BlockRemoved"}, "malformed"),
     ({"type": "BlockRemoved", "block_hashes": [msgpack.ExtType(1, b"x")]}, "malformed"),
+    (  # msgpack's ExtType is a tuple: the slow path must not take it for an array
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "token_ids": [1],
+            "block_size": 1,
+            "extra_keys": [None, msgpack.ExtType(3, b"x")],
+        },
+        "malformed",
+    ),
     ({"type": "BlockRemoved", "block_hashes": [1], "group_idx": "0"}, "malformed"),
     ({"type": "BlockRemoved", "block_hashes": [1], "ownership": b"me"}, "malformed"),
 ]
