@@ -10,7 +10,7 @@ reads only tests make are in ``tests/store_oracle.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -172,23 +172,27 @@ _STATUS = {
 }
 
 
+_INSTANCE_KEY: dict[str, Callable[[str], str]] = {
+    "meta": keys.instance_meta,
+    "gen": keys.instance_gen,
+    "l1_state": keys.l1_state,
+    "l1_owner": keys.l1_owner,
+    "l1_set": lambda ip: keys.tier_set(ip, "l1"),
+    "l1_copies": lambda ip: keys.tier_copies(ip, "l1"),
+    "l2_set": lambda ip: keys.tier_set(ip, "l2"),
+    "l2_copies": lambda ip: keys.tier_copies(ip, "l2"),
+    "l3_set": keys.l3_set,
+    "l3_staging": keys.l3_staging,
+    "l3_state": keys.l3_state,
+    "legacy_l1_counts": lambda ip: keys.tier_counts(ip, "l1"),  # legacy layout, dropped
+    "legacy_l2_counts": lambda ip: keys.tier_counts(ip, "l2"),
+    "l1_groups": keys.l1_groups,
+}
+"""Each name of :data:`common.store_lua.INSTANCE_KEYS` → its key (the order is the table's)."""
+
+
 def _instance_keys(ip: str) -> list[str]:
-    return [
-        keys.instance_meta(ip),
-        keys.instance_gen(ip),
-        keys.l1_state(ip),
-        keys.l1_owner(ip),
-        keys.tier_set(ip, "l1"),
-        keys.tier_copies(ip, "l1"),
-        keys.tier_set(ip, "l2"),
-        keys.tier_copies(ip, "l2"),
-        keys.l3_set(ip),
-        keys.l3_staging(ip),
-        keys.l3_state(ip),
-        keys.tier_counts(ip, "l1"),
-        keys.tier_counts(ip, "l2"),  # legacy layout, dropped
-        keys.l1_groups(ip),
-    ]
+    return [_INSTANCE_KEY[name](ip) for name in store_lua.INSTANCE_KEYS]
 
 
 def _rank_prefixes(ip: str) -> list[str]:
