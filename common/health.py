@@ -104,6 +104,11 @@ class Health:
             return False, "stalled: " + ", ".join(late)
         return True, "ok"
 
+    def conditions(self) -> list[tuple[str, bool]]:
+        """(name, holds) of every readiness condition, in registration order."""
+        with self._lock:
+            return [(c.name, c.ok) for c in self._conditions]
+
     def readiness(self) -> tuple[bool, str]:
         """(ready, text): live and every condition holds."""
         live, text = self.liveness()

@@ -8,7 +8,10 @@ record with keyword labels, ``requests.inc(path="/x", status="200")``; a label l
 
 Workers expose their registry with :func:`serve` on their metrics port: ``/metrics``
 (prometheus_client's WSGI app: text format, OpenMetrics and gzip when asked for),
-``/healthz`` and ``/readyz`` (:class:`common.health.Health`). The API's gunicorn workers
+``/healthz`` and ``/readyz`` (:class:`common.health.Health`), whose answers also appear in
+``/metrics`` as ``cache_indexer_worker_live`` and ``cache_indexer_worker_condition{condition}``
+(1 or 0, computed at scrape time: alerts see a stuck loop before the kubelet restarts it,
+and a failing condition names what is missing, e.g. ``redis``). The API's gunicorn workers
 share one port and use prometheus_client's multiprocess mode instead (values in per-process
 mmap files under ``PROMETHEUS_MULTIPROC_DIR``, which must be set before this module is first
 imported): :func:`render_multiprocess` sums them. Their registry is *buffered* (counts add up
@@ -27,6 +30,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app, values
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from common.health import Health
@@ -259,9 +263,36 @@ def endpoint(registry: Registry, health: Health | None = None) -> _WSGIApp:
     return app
 
 
+class _HealthCollector:
+    """The probes' answers as gauges, read from :class:`Health` at every scrape."""
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+
+    def describe(self) -> list[Any]:
+        return []  # families vary with the conditions; nothing to reserve at registration
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        live = GaugeMetricFamily(
+            "cache_indexer_worker_live", "1 while every loop of this worker makes progress"
+        )
+        live.add_metric((), 1 if self.health.liveness()[0] else 0)
+        cond = GaugeMetricFamily(
+            "cache_indexer_worker_condition",
+            "1 while the readiness condition holds (e.g. redis: the last Redis call worked)",
+            labels=("condition",),
+        )
+        for name, ok in self.health.conditions():
+            cond.add_metric((name,), 1 if ok else 0)
+        return [live, cond]
+
+
 def serve(registry: Registry, host: str, port: int, health: Health | None = None) -> WSGIServer:
     """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from daemon threads; returns the
-    server (``server_address``, ``shutdown()``). Without ``health`` both probes answer 200."""
+    server (``server_address``, ``shutdown()``). Without ``health`` both probes answer 200
+    and no ``cache_indexer_worker_*`` gauges are exported."""
+    if health is not None:
+        registry.collector.register(_HealthCollector(health))
     server = make_server(
         host, port, endpoint(registry, health), server_class=_Server, handler_class=_QuietHandler
     )

@@ -20,6 +20,8 @@ command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || need_apt+=(gcc-aarch64-linux
 command -v s390x-linux-gnu-gcc >/dev/null 2>&1 || need_apt+=(gcc-s390x-linux-gnu)
 command -v qemu-aarch64 >/dev/null 2>&1 || need_apt+=(qemu-user)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)  # builds the C block encoder
+# prometheus and promtool: the alert rules' unit tests and the real-Prometheus stack test.
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   echo "setup: installing Debian packages: ${need_apt[*]}"
@@ -59,11 +61,12 @@ if ! $PY -c 'from common import blockhash_native as n; assert n.ENCODER and n.EN
   fi
 fi
 
-# Helm's own template engine for the chart tests (tests/unit/test_chart.py).
-if ! $PY -c 'import helm_python' 2>/dev/null; then
+# Helm's own template engine for the chart tests (tests/unit/test_chart.py), and Grafana's
+# foundation SDK that scripts/make_dashboard.py builds the dashboard with.
+if ! $PY -c 'import helm_python, grafana_foundation_sdk' 2>/dev/null; then
   if ! $PY -m pip install -q --disable-pip-version-check -e ".[chart]" \
-     || ! $PY -c 'import helm_python'; then
-    echo "setup: ERROR: helm-python-sdk (Helm's engine, for the chart tests) could not be installed" >&2
+     || ! $PY -c 'import helm_python, grafana_foundation_sdk'; then
+    echo "setup: ERROR: helm-python-sdk or grafana-foundation-sdk (chart tests, dashboard) could not be installed" >&2
     exit 1
   fi
 fi
@@ -73,14 +76,14 @@ scripts/setup_vllm_engine.sh
 
 # Check the result: every tool and module the suite needs is there now.
 missing=()
-for tool in redis-server ip unshare openssl mooncake_master cache-indexer \
+for tool in redis-server ip unshare openssl mooncake_master cache-indexer prometheus promtool \
             aarch64-linux-gnu-gcc s390x-linux-gnu-gcc qemu-aarch64 qemu-s390x; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
 VLLM_ENGINE_PY="${VLLM_ENGINE_VENV:-/var/tmp/cache-indexer-vllm-engine-0.32.0}/bin/python"
 [ -x "$VLLM_ENGINE_PY" ] || missing+=("$VLLM_ENGINE_PY")
 # shellcheck disable=SC2207,SC2086 # module names have no spaces
-missing+=($(missing_modules $MODULES helm_python))
+missing+=($(missing_modules $MODULES helm_python grafana_foundation_sdk))
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: ERROR: still missing after setup: ${missing[*]}" >&2
   exit 1

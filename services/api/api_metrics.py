@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from common.metrics import Counter, Histogram, Registry
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -76,6 +77,12 @@ class ApiMetrics:
             "Hit ratios that are only a lower bound of what vLLM reuses, by tier and reason "
             "(one per candidate and tier).",
             ("tier", "reason"),
+        )
+        self.best_hit_ratio: Histogram = r.histogram(
+            "cache_indexer_api_best_hit_ratio",
+            "Per hit-rate request and tier, the highest hit ratio among its candidates.",
+            ("tier",),
+            _RATIO_BUCKETS,
         )
         self.group_rereads: Counter = r.counter(
             "cache_indexer_api_group_rereads_total",

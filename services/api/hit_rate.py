@@ -259,6 +259,9 @@ def score(
         for tier, hit in (("l1", l1), ("l3", l3)):
             for reason in hit.reasons:
                 metrics.inexact.inc(tier=tier, reason=reason)
+    if hits:  # what the router can gain from this request: its best candidate, per tier
+        metrics.best_hit_ratio.observe(max(h[0].ratio for h in hits.values()), tier="l1")
+        metrics.best_hit_ratio.observe(max(h[1].ratio for h in hits.values()), tier="l3")
     return [_answer(ip, *hits[ip], detail) for ip in request.server_ips]
 
 

@@ -82,6 +82,11 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
         "seconds since the instance's last KV-event batch arrived",
         labels=("server_ip",),
     )
+    exact = GaugeMetricFamily(
+        "cache_indexer_instance_exact",
+        "1 when the instance's hit ratios are exact, 0 when only a lower bound (groups.exact)",
+        labels=("server_ip",),
+    )
     for inst in report["instances"]:
         ip, l1 = inst["server_ip"], inst["l1"]
         for st in STATES:
@@ -93,7 +98,9 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
             blocks.add_metric((ip, "l3"), inst["l3"]["blocks"])
         if l1["last_event_age_s"] is not None:
             age.add_metric((ip,), l1["last_event_age_s"])
-    families = [state, check, blocks, age, *_master_metrics(report["masters"])]
+        exact.add_metric((ip,), 1 if inst["groups"]["exact"] else 0)
+    families = [state, check, blocks, age, exact, *_master_metrics(report["masters"])]
+    families += _redis_memory(reader, metrics)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return generate_latest(registry).decode()
@@ -107,6 +114,32 @@ class _Families:
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         return self.families
+
+
+def _redis_memory(reader: StatusReader, metrics: ApiMetrics) -> list[GaugeMetricFamily]:
+    """Redis ``used_memory`` and ``maxmemory``, summed over a cluster's nodes ([] on error):
+    the index's size is what an operator sizes Redis by (docs/operations.md)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    try:
+        info = reader.r.info("memory")
+    except redis.ResponseError:  # INFO refused (an ACL without it): not an outage
+        return []
+    except redis.RedisError as exc:
+        metrics.redis_errors.inc(op="metrics")
+        logger.warning("cannot read Redis INFO memory for /metrics: %s", exc)
+        return []
+    # A cluster client answers {node: {field: value}}, a single server {field: value}.
+    nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
+    used = GaugeMetricFamily(
+        "cache_indexer_redis_used_memory_bytes", "Redis used_memory (summed over cluster nodes)"
+    )
+    used.add_metric((), sum(float(n.get("used_memory", 0)) for n in nodes))
+    limit = GaugeMetricFamily(
+        "cache_indexer_redis_maxmemory_bytes", "Redis maxmemory (0 = unbounded; summed)"
+    )
+    limit.add_metric((), sum(float(n.get("maxmemory", 0)) for n in nodes))
+    return [used, limit]
 
 
 def _master_metrics(masters: list[dict[str, Any]]) -> list[GaugeMetricFamily]:

@@ -100,6 +100,9 @@ class Reconciler:
             held = self.store.claim_discovery_lease(self.holder, int(self.ttl * 1000))
         except redis.RedisError:
             self._set_held(False, now, "unknown (redis unreachable): not writing")
+            # Try Redis again on the next pass (the caller's backoff paces it): a pass that
+            # skipped Redis would report it reachable (readiness, alerts) while it is down.
+            self._next_claim = 0.0
             raise
         self._set_held(held, now, "held" if held else "standby (another process writes)")
         return held

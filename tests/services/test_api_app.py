@@ -100,6 +100,12 @@ def test_exact_ratios_in_input_order_with_duplicates_and_unknown(
     assert _ratios(_ask(client, [A], PROMPT + [1, 2, 3])) == [(A, 0.75, 1.0)]
     # A different first token changes every hash of the chain.
     assert _ratios(_ask(client, [A], [7] + PROMPT[1:])) == [(A, 0.0, 0.0)]
+    # The best candidate's ratio per request and tier: 0.75, 0.75, 0.0 in L1; 1, 1, 0 in L3.
+    text = client.simulate_get("/metrics").text
+    assert 'cache_indexer_api_best_hit_ratio_bucket{le="0.7",tier="l1"} 1.0' in text
+    assert 'cache_indexer_api_best_hit_ratio_bucket{le="0.8",tier="l1"} 3.0' in text
+    assert 'cache_indexer_api_best_hit_ratio_bucket{le="0.99",tier="l3"} 1.0' in text
+    assert 'cache_indexer_api_best_hit_ratio_sum{tier="l3"} 2.0' in text
 
 
 def test_no_full_block_scores_zero_without_touching_redis(

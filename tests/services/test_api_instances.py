@@ -236,6 +236,14 @@ def test_metrics_show_instance_states_and_master_keys(any_store: Store) -> None:
     assert f'cache_indexer_master_keys_unparsed{{url="{URL}"}} 2.0' in text
     assert f'cache_indexer_master_keys_unmappable_group{{url="{URL}"}} 3.0' in text
     assert 'cache_indexer_instance_blocks{server_ip="10.0.0.5",tier="l3"} 2.0' in text
+    assert 'cache_indexer_instance_exact{server_ip="10.0.0.5"} 1.0' in text
+    used = [
+        ln for ln in text.splitlines() if ln.startswith("cache_indexer_redis_used_memory_bytes ")
+    ]
+    if not type(any_store.r).__module__.startswith("fakeredis"):
+        assert len(used) == 1 and float(used[0].split()[1]) > 0
+    else:  # fakeredis has no INFO: the gauges are left out, not an error
+        assert used == [] and "cache_indexer_api_redis_errors_total{" not in text
 
 
 def test_hybrid_groups_are_described_with_their_exactness(any_store: Store) -> None:
@@ -266,6 +274,8 @@ def test_hybrid_groups_are_described_with_their_exactness(any_store: Store) -> N
         (2, "full_attention", None),
     ]
     assert (got["exact"], got["inexact_reasons"]) == (False, ["unconfirmed_hash_unit"])
+    metrics = client.simulate_get("/metrics").text
+    assert 'cache_indexer_instance_exact{server_ip="10.0.0.9"} 0.0' in metrics
     any_store.write_l1_status([L1Status("10.0.0.9", gen, "", {"hash_check": "ok"})])
     assert (groups()["exact"], groups()["inexact_reasons"]) == (True, [])
     ops = TierOps()

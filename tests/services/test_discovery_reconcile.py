@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import redis
 
+import pytest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 from common import keys
 from common.metrics import Registry
 from common.store import Instance
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Desired, Reconciler
-from tests.conftest import wait_for
+from tests.conftest import reserve_port, wait_for
 from tests.store_oracle import OracleStore
 
 
@@ -64,3 +68,15 @@ def test_a_holder_whose_lease_expired_stops_writing(redis_client: redis.Redis) -
     assert a.metrics.lease_held.value() == 0
     a.release()
     assert redis_client.get(keys.lease("discovery")) == b"b", "release never drops another's lease"
+
+
+def test_every_pass_reaches_for_redis_while_it_is_down() -> None:
+    """A pass after a failed lease claim must not skip Redis and look like success: the
+    loop marks discovery ready (and its Redis alert quiet) after any pass that raised nothing."""
+    # No retries: every call fails at once, well within the lease's re-claim pause (1 s).
+    dead = redis.Redis(port=reserve_port(), retry=Retry(NoBackoff(), 0))
+    rec = _reconciler(dead, "a")
+    for _ in range(3):
+        with pytest.raises(redis.RedisError):
+            rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1")}, None))
+    assert not rec.held

@@ -160,7 +160,7 @@ def _deployment(docs: dict[str, list[Any]], component: str) -> dict[str, Any]:
 
 
 def _rendered_config(docs: dict[str, list[Any]], tmp_path: Path) -> Config:
-    (cm,) = docs["ConfigMap"]
+    (cm,) = [c for c in docs["ConfigMap"] if "config.yaml" in c["data"]]
     path = tmp_path / "config.yaml"
     path.write_text(cm["data"]["config.yaml"])
     return load_config(path, env={})
@@ -310,6 +310,9 @@ _MODELS = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
 }
 _PRIMITIVE = {"str", "int", "bool", "float", "bytes", "object", "datetime"}
 
@@ -343,5 +346,5 @@ def test_manifests_use_only_known_kubernetes_fields(helm: Any, values: Any) -> N
             model = _MODELS[(doc["apiVersion"], doc["kind"])]
             assert _unknown_fields(doc, model, doc["kind"]) == []
             checked += 1
-    assert checked == 11  # ConfigMap, SA, Role, RoleBinding, 2 Services, 5 Deployments
+    assert checked == 12  # ConfigMap, SA, Role, RoleBinding, 2 Services, 5 Deployments, PDB
     assert _unknown_fields({"spec": {"replica": 1}}, "V1Deployment", "D") == ["D.spec.replica"]

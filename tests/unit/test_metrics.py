@@ -182,8 +182,14 @@ def test_the_endpoint_serves_metrics_and_probes(endpoint: tuple[str, Health, Reg
     cond = health.condition("redis")
     resp = httpx.get(f"{url}/readyz")
     assert (resp.status_code, resp.text) == (503, "not ready: redis: not checked yet\n")
+    text = httpx.get(f"{url}/metrics").text
+    assert 'cache_indexer_worker_condition{condition="redis"} 0.0' in text
+    assert "cache_indexer_worker_live 1.0" in text
     cond.set(True)
     assert httpx.get(f"{url}/readyz").status_code == 200
+    assert (
+        'cache_indexer_worker_condition{condition="redis"} 1.0' in httpx.get(f"{url}/metrics").text
+    )
     assert httpx.get(f"{url}/nope").status_code == 404
 
 
@@ -192,6 +198,22 @@ def test_without_health_both_probes_answer_ok() -> None:
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         assert [httpx.get(f"{url}{p}").status_code for p in ("/healthz", "/readyz")] == [200, 200]
+        assert "cache_indexer_worker_live" not in httpx.get(f"{url}/metrics").text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_stalled_loop_shows_as_worker_live_0_in_metrics() -> None:
+    clock = _Clock()
+    health = Health(timeout=10, clock=clock)
+    health.heartbeat("loop a")
+    server = serve(Registry(), "127.0.0.1", 0, health)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert "cache_indexer_worker_live 1.0" in httpx.get(url).text
+        clock.now += 11
+        assert "cache_indexer_worker_live 0.0" in httpx.get(url).text
     finally:
         server.shutdown()
         server.server_close()
