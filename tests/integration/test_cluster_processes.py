@@ -22,11 +22,11 @@ from redis.crc import key_slot
 
 from common.config import Redis as RedisConfig
 from common.redis_client import connect
-from common.store import Store
 from tests.conftest import reserve_port, wait_for
 from tests.fake_master import FakeMaster
 from tests.integration.fleet import PROCESSES, Fleet, answers_match, spawn, write_config
 from tests.redis_nodes import Cluster
+from tests.store_oracle import OracleStore
 
 
 def _ips_on_every_master() -> list[str]:
@@ -71,7 +71,7 @@ def test_every_process_on_a_cluster_survives_a_node_restart(
     api = reserve_port()
     client = connect(RedisConfig(url=cluster.url, cluster=True), retries=3)
     client.flushall()
-    store = Store(client)
+    store = OracleStore(client)
     try:
         config = tmp_path / "config.yaml"
         redis_section = {"url": cluster.nodes[1].url, "cluster": True}

@@ -17,9 +17,9 @@ from common import keys
 from common.config import Redis as RedisConfig
 from common.redis_client import connect
 from common.status_report import StatusReader
-from common.store import Store
 from services.tools import inspect_cmd
 from tests.redis_nodes import Cluster
+from tests.store_oracle import OracleStore
 from tests.services.test_api_instances import (  # noqa: F401 - the same suite, on a cluster
     URL,
     populate,
@@ -39,15 +39,15 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture()
-def any_store(cluster: Cluster) -> Iterator[Store]:  # overrides the suite's fixture
+def any_store(cluster: Cluster) -> Iterator[OracleStore]:  # overrides the suite's fixture
     client = connect(RedisConfig(url=cluster.url, cluster=True), retries=3)
     for node in client.get_primaries():
         client.get_redis_connection(node).flushall()
-    yield Store(client)
+    yield OracleStore(client)
     client.close()
 
 
-def test_reader_reads_a_registry_spread_over_every_node(any_store: Store) -> None:
+def test_reader_reads_a_registry_spread_over_every_node(any_store: OracleStore) -> None:
     """Instances whose keys live on different nodes (their hash tags differ) are all read,
     on the first call and on the next (the registry is known by then)."""
     populate(any_store)
@@ -66,7 +66,7 @@ def test_reader_reads_a_registry_spread_over_every_node(any_store: Store) -> Non
         assert raw.now_ms > 0 and URL in raw.masters
 
 
-def test_inspect_on_a_cluster(any_store: Store, cluster: Cluster, tmp_path: Path) -> None:
+def test_inspect_on_a_cluster(any_store: OracleStore, cluster: Cluster, tmp_path: Path) -> None:
     populate(any_store)
     config = tmp_path / "config.yaml"
     config.write_text(f"redis:\n  url: {cluster.url}\n  cluster: true\n", encoding="utf-8")

@@ -21,12 +21,13 @@ from common import keys
 from common.events import BlockRemoved, encode_batch
 from common.settings import L1IngestSettings
 from common.status_report import InstanceState, Limits, StatusReader, build_report
-from common.store import BatchStatus, Instance, Store, StoredCursor
+from common.store import BatchStatus, Instance, StoredCursor
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
 from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
 from tests.services.vllm_replay import FakePublisher
+from tests.store_oracle import OracleStore
 
 
 @pytest.fixture(name="rig")
@@ -44,7 +45,7 @@ def removal(pub: FakePublisher, seq: int) -> bytes:
     )
 
 
-def roll_back(store: Store, to: StoredCursor, members: set[int]) -> None:
+def roll_back(store: OracleStore, to: StoredCursor, members: set[int]) -> None:
     """What a failover that lost every write after ``to`` leaves in Redis."""
     state = keys.l1_state(IP)
     store.r.hset(state, mapping={"seq:0": str(to.seq), "dig:0": to.digest})
@@ -125,7 +126,7 @@ def test_a_quiet_instance_notices_a_lost_write_and_re_syncs(redis_client: redis.
     cursor go back, the rank re-syncs through replay, and the state says ``resyncing``
     while it does (the replay is held back to observe it)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    store, port = Store(redis_client), reserve_ports(2)
+    store, port = OracleStore(redis_client), reserve_ports(2)
     pub = FakePublisher(ctx, port + 1, pub_port=port)
     store.upsert_instance(
         Instance(

@@ -12,16 +12,17 @@ import pytest
 import redis
 
 from common import keys
-from common.store import Instance, Store
+from common.store import Instance
 from services.l3_poller.index import Blocks
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.writer import L3Writer, MasterView
+from tests.store_oracle import OracleStore
 
 POD_A, POD_B = "10.0.0.1", "10.0.0.2"
 MASTER = "http://m:9003"
 
 
-class CountingStore(Store):
+class CountingStore(OracleStore):
     """A real store that counts set replacements and can be made to fail them."""
 
     def __init__(self, client: redis.Redis) -> None:
@@ -189,13 +190,13 @@ def test_groups_of_two_masters_are_merged_per_group(store: CountingStore) -> Non
     assert store.l3_members(POD_B) == set() and store.l3_state(POD_B)["groups"] == "0"
 
 
-def _snapshot(store: Store, ip: str) -> dict[str, bytes]:
+def _snapshot(store: OracleStore, ip: str) -> dict[str, bytes]:
     """The instance's L3 keys as DUMP blobs: what a replica holds that missed later writes."""
     names = (keys.l3_set(ip), keys.l3_state(ip))
     return {k: blob for k in names if (blob := store.r.dump(k)) is not None}  # type: ignore[misc]
 
 
-def _roll_back(store: Store, ip: str, snapshot: dict[str, bytes]) -> None:
+def _roll_back(store: OracleStore, ip: str, snapshot: dict[str, bytes]) -> None:
     """Put the instance's L3 keys back as the snapshot had them (a failover lost the rest)."""
     store.r.delete(keys.l3_set(ip), keys.l3_state(ip))
     for k, blob in snapshot.items():

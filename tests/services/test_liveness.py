@@ -17,7 +17,7 @@ from common.settings import L1IngestSettings, L3PollerSettings
 from common.health import Health
 from common.lifecycle import Backoff
 from common.metrics import Registry, serve
-from common.store import Instance, Store
+from common.store import Instance, Store, StoredCursor
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Desired, Reconciler, run
 from services.l1_ingest.metrics import IngestMetrics
@@ -62,6 +62,10 @@ class WedgingStore(Store):
     def last_seq(self, ip: str, rank: int) -> int:
         self.gate.pass_through()
         return super().last_seq(ip, rank)
+
+    def cursor(self, ip: str, rank: int) -> StoredCursor:  # what a new session reads now
+        self.gate.pass_through()
+        return super().cursor(ip, rank)
 
 
 class Probe:
