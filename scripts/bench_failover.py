@@ -64,7 +64,7 @@ def _sentinel(run: Callable[..., dict[str, float]]) -> Scenario:
 
 
 def _cluster(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> dict[str, float]:
-    c = Cluster(6, replicas=1).start()
+    c = Cluster(6, replicas=1, extra=cluster_suite.CLUSTER_ARGS).start()
     try:
         return cluster_suite.run_cluster_lost_writes(c, tmp, procs, child_env())
     finally:

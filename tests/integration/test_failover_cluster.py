@@ -30,11 +30,14 @@ from tests.integration.fleet import Fleet, Publishing, converge, start_stack
 from tests.redis_nodes import Cluster
 
 CONVERGE = 90.0
+CLUSTER_ARGS = ["--cluster-replica-validity-factor", "0"]
+"""A replica held back for as long as a slow machine needs is still allowed to take over (the
+default refuses one whose data is older than 10 node timeouts: the cluster would stay down)."""
 
 
 @pytest.fixture()
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(6, replicas=1).start()
+    c = Cluster(6, replicas=1, extra=CLUSTER_ARGS).start()
     yield c
     c.cleanup()
 
