@@ -1,4 +1,4 @@
-"""The C encoder of vLLM block preimages (``common/_cbor_blocks.c``), loaded with ctypes.
+"""The C block chain of vLLM's ``sha256_cbor`` (``common/_cbor_blocks.c``), loaded with ctypes.
 
 The library is plain C (no Python API), built by ``pip install`` as an optional extension:
 it needs a C compiler, not Python's headers. :data:`ENCODER` is None when it was not built
@@ -6,10 +6,12 @@ it needs a C compiler, not Python's headers. :data:`ENCODER` is None when it was
 then encodes with numpy (:mod:`common.blockhash_cbor`), bit for bit the same and a third
 to a half as fast. :func:`status` says which one a process uses; the API logs it at start-up.
 
-For ``n`` blocks of ``block_size`` ids the C function writes, back to back, each block's
-whole preimage ``0x83 0x58 0x20 | 32 bytes for the parent | array head | ids | tail`` with
-the parent left zero, and each block's end offset; the caller fills in each parent digest
-just before hashing that block (:meth:`BlockHasher._cbor_chain`).
+:class:`Encoder` wraps the library's three functions: :meth:`Encoder.chain` encodes and
+hashes a prompt's whole chain in one call, with the SHA-256 functions of the libcrypto
+hashlib uses (found by :func:`_openssl_sha256`, checked against hashlib at load; without
+them :attr:`Encoder.sha` is None and only the preimages come from C, hashed by hashlib in
+:meth:`BlockHasher._native_chain`); :meth:`Encoder.member_keys` writes the decimal Redis
+members. The preimage layout is described once, in the C file's header.
 """
 
 from __future__ import annotations

@@ -4,9 +4,14 @@ CacheIndexerError
  ├── ConfigError        a bad config file or flag: the process exits with status 2
  ├── DecodeError        a malformed message (KV-event payload, Mooncake body): drop it, count it
  │    └── NotABatchError  a ZMQ payload that is not an EventBatch at all
- ├── UpstreamError      Redis, a vLLM socket, a master or Kubernetes failed: back off, retry
- │    └── FencedError   a write was refused because this writer lost its lease or generation
+ ├── UpstreamError      a peer failed: back off, retry
+ │    ├── FencedError   a write was refused because this writer lost its lease or generation
+ │    └── MasterError   a Mooncake master request failed (services/l3_poller/client.py)
  └── RequestError       a bad hit-rate request: answered with its HTTP status
+
+Redis, ZMQ and Kubernetes errors are not wrapped: the loops catch ``redis.RedisError``,
+``zmq.ZMQError`` and ``ApiException`` themselves, where they back off and retry. Only the L3
+client wraps its httpx errors, as MasterError with a reason label.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class NotABatchError(DecodeError):
 
 
 class UpstreamError(CacheIndexerError):
-    """A dependency (Redis, ZMQ peer, Mooncake master, Kubernetes API) failed."""
+    """A peer failed in a way this project names itself (see the tree above)."""
 
 
 class FencedError(UpstreamError):

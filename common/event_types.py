@@ -1,21 +1,43 @@
-"""The typed vLLM KV-cache events and the table of which vLLM release declares which field.
+"""The vLLM KV-cache events as msgspec Structs, mirroring ``vllm/distributed/kv_events.py``.
 
 Re-exported by :mod:`common.events`, which owns decoding and encoding; import from there. The
-field tables follow spec vllm-kv-events.md §2.3 and are the single source for both the decoder's
-map keys and the encoder's per-version layout.
+Structs are vLLM's own declarations (tagged by class name, ``omit_defaults``, ``gc=False``, the
+same fields in the same order) with two deliberate differences, both for reading older and
+newer releases with one type: every field after ``block_size`` defaults to None (vLLM leaves
+``lora_id``, ``medium`` and ``lora_name`` without a default, and releases before 0.14 lack
+some of them), and the wire types carry the checks vLLM's writer guarantees but a reader must
+not assume: hashes are uint64 or 16n-byte digests, counts are never negative, ``extra_keys``
+nests only arrays of scalars. msgspec never takes a bool for an int.
+
+:data:`STORED_FIELDS` / :data:`REMOVED_FIELDS` say which release first declared each field
+(spec vllm-kv-events.md §2.3); the encoder builds each release's Structs from them, and
+tests/unit/test_events.py checks they list the Structs' fields in order. A new vLLM field is
+one line in its Struct and one in its table, both here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
-Hash: TypeAlias = int | bytes
+import msgspec
+
+# A block hash: the uint64 of VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (msgpack has no larger
+# int), or raw digests: 32 bytes for sha256, 16 for xxhash, k of them for a hybrid group in
+# 0.12-0.23 (§4.5); the multiple of 16 is checked in __post_init__ (msgspec has no such Meta).
+Hash: TypeAlias = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=16)]
+Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
 Version: TypeAlias = tuple[int, int, int]
 
+# What vLLM puts in extra keys (names, ids, mm identifiers, offsets, digests), nested in arrays.
+_EXTRA_KEY_LEAVES = frozenset((str, int, bytes, float, bool, type(None)))
 
-@dataclass(slots=True)
-class BlockStored:
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events; the tag is the class name, under the key "type" (§2.2)."""
+
+
+class BlockStored(KVCacheEvent):
     """Blocks became full and cached. Field order is vLLM's declaration (= wire) order.
 
     ``block_size`` may be 0 for connector placeholders (§3.5); ``extra_keys`` is aligned with
@@ -25,7 +47,7 @@ class BlockStored:
     block_hashes: list[Hash]
     parent_block_hash: Hash | None
     token_ids: list[int]
-    block_size: int
+    block_size: Count
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
@@ -38,9 +60,15 @@ class BlockStored:
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
 
+    def __post_init__(self) -> None:
+        _check_digests(self.block_hashes)
+        if type(self.parent_block_hash) is bytes:
+            _check_digests([self.parent_block_hash])
+        if self.extra_keys is not None:
+            _check_extra_keys(self.extra_keys)
 
-@dataclass(slots=True)
-class BlockRemoved:
+
+class BlockRemoved(KVCacheEvent):
     """Cached blocks left the prefix cache; vLLM sends one hash per event (§3.2)."""
 
     block_hashes: list[Hash]
@@ -49,13 +77,34 @@ class BlockRemoved:
     locality: str | None = None
     ownership: str | None = None
 
+    def __post_init__(self) -> None:
+        _check_digests(self.block_hashes)
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+
+class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was reset."""
 
 
 Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def _check_digests(hashes: list[Hash]) -> None:
+    """Raise ValueError (a ValidationError when decoding) for a digest not 16n bytes long."""
+    if bytes in map(type, hashes):  # ints, the common case, cost one pass in C
+        for h in hashes:
+            if type(h) is bytes and len(h) % 16:
+                raise ValueError(f"a block hash of {len(h)} bytes: expected 16n")
+
+
+def _check_extra_keys(entries: list[list[Any] | None]) -> None:
+    """Only arrays and scalar leaves, however deep; iterative, so depth is no risk."""
+    stack = [entry for entry in entries if entry is not None]
+    while stack:
+        for item in stack.pop():
+            if type(item) is list:
+                stack.append(item)
+            elif type(item) not in _EXTRA_KEY_LEAVES:
+                raise ValueError(f"extra_keys holds {type(item).__name__}: expected arrays")
 
 
 @dataclass(slots=True)
@@ -78,8 +127,8 @@ class EventBatch:
     form: str
 
 
-# (field, first vLLM release declaring it, written in map form even when None).
-# Declaration order; the dataclasses above declare the same fields in the same order.
+# (field, first vLLM release declaring it, written in map form even when None: vLLM declares
+# it without a default). Declaration order, the Structs' order.
 FieldSpec: TypeAlias = tuple[tuple[str, Version, bool], ...]
 STORED_FIELDS: FieldSpec = (
     ("block_hashes", (0, 9, 0), True),
@@ -105,4 +154,4 @@ REMOVED_FIELDS: FieldSpec = (
     ("locality", (0, 26, 0), False),
     ("ownership", (0, 29, 0), False),
 )
-MAP_FORM_SINCE: Version = (0, 24, 0)
+MAP_FORM_SINCE: Version = (0, 24, 0)  # vLLM#42892 dropped array_like from the events

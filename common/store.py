@@ -4,11 +4,13 @@ The key layout is documented in :mod:`common.keys`. Writes that must be atomic (
 counts together with set membership, generation / owner fencing, registry changes that
 drop an instance's data) run as Lua scripts from :mod:`common.store_lua`, registered once
 per :class:`Store`. Reads on the API's hot path are one non-transactional pipeline.
+Each process types against the narrow role it uses (a ``Protocol`` in its service); the
+reads only tests make are in ``tests/store_oracle.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -194,23 +196,27 @@ _STATUS = {
 }
 
 
+_INSTANCE_KEY: dict[str, Callable[[str], str]] = {
+    "meta": keys.instance_meta,
+    "gen": keys.instance_gen,
+    "l1_state": keys.l1_state,
+    "l1_owner": keys.l1_owner,
+    "l1_set": lambda ip: keys.tier_set(ip, "l1"),
+    "l1_copies": lambda ip: keys.tier_copies(ip, "l1"),
+    "l2_set": lambda ip: keys.tier_set(ip, "l2"),
+    "l2_copies": lambda ip: keys.tier_copies(ip, "l2"),
+    "l3_set": keys.l3_set,
+    "l3_staging": keys.l3_staging,
+    "l3_state": keys.l3_state,
+    "legacy_l1_counts": lambda ip: keys.tier_counts(ip, "l1"),  # legacy layout, dropped
+    "legacy_l2_counts": lambda ip: keys.tier_counts(ip, "l2"),
+    "l1_groups": keys.l1_groups,
+}
+"""Each name of :data:`common.store_lua.INSTANCE_KEYS` → its key (the order is the table's)."""
+
+
 def _instance_keys(ip: str) -> list[str]:
-    return [
-        keys.instance_meta(ip),
-        keys.instance_gen(ip),
-        keys.l1_state(ip),
-        keys.l1_owner(ip),
-        keys.tier_set(ip, "l1"),
-        keys.tier_copies(ip, "l1"),
-        keys.tier_set(ip, "l2"),
-        keys.tier_copies(ip, "l2"),
-        keys.l3_set(ip),
-        keys.l3_staging(ip),
-        keys.l3_state(ip),
-        keys.tier_counts(ip, "l1"),
-        keys.tier_counts(ip, "l2"),  # legacy layout, dropped
-        keys.l1_groups(ip),
-    ]
+    return [_INSTANCE_KEY[name](ip) for name in store_lua.INSTANCE_KEYS]
 
 
 def _rank_prefixes(ip: str) -> list[str]:
@@ -254,10 +260,6 @@ class Store:
     def instance_ips(self) -> set[str]:
         return {text(m) for m in self.r.smembers(keys.INSTANCES)}
 
-    def get_instance(self, ip: str) -> Instance | None:
-        meta = self.r.hgetall(keys.instance_meta(ip))
-        return Instance.from_meta(ip, text_dict(meta)) if meta else None
-
     def list_instances(self) -> list[Instance]:
         ips = sorted(self.instance_ips())
         pipe = self.r.pipeline(transaction=False)
@@ -282,9 +284,6 @@ class Store:
 
     def drop_master_state(self, url: str) -> None:
         self.r.delete(keys.master_state(url))
-
-    def get_master_state(self, url: str) -> dict[str, str]:
-        return text_dict(self.r.hgetall(keys.master_state(url)))
 
     # -- leases -----------------------------------------------------------------------
 
@@ -393,29 +392,6 @@ class Store:
             )
         return out
 
-    def l1_state(self, ip: str) -> dict[str, str]:
-        return text_dict(self.r.hgetall(keys.l1_state(ip)))
-
-    def groups(self, ip: str) -> dict[str, str]:
-        """The instance's group descriptors and hash-unit settings (``keys.l1_groups``)."""
-        return text_dict(self.r.hgetall(keys.l1_groups(ip)))
-
-    def tier_members(self, ip: str, tier: str = "l1", group: int = 0) -> set[int]:
-        return {int(m) for m in self.r.smembers(keys.tier_group_set(ip, tier, group))}
-
-    def tier_counts(self, ip: str, tier: str = "l1", group: int = 0) -> dict[int, int]:
-        """hash → copies over all DP ranks (a member without a copies field has one)."""
-        return {h: sum(c) for h, c in self.tier_rank_copies(ip, tier, group).items()}
-
-    def tier_rank_copies(self, ip: str, tier: str = "l1", group: int = 0) -> dict[int, list[int]]:
-        """hash → copies per DP rank from rank 0 on (trailing zeros trimmed)."""
-        pipe = self.r.pipeline(transaction=True)  # one slot: a consistent snapshot
-        pipe.smembers(keys.tier_group_set(ip, tier, group))
-        pipe.hgetall(keys.tier_group_copies(ip, tier, group))
-        members, copies = pipe.execute()
-        extra = {int(k): [int(c) for c in text(v).split(",")] for k, v in copies.items()}
-        return {int(m): extra.get(int(m), [1]) for m in members}
-
     # -- L3 ---------------------------------------------------------------------------
 
     def replace_l3(
@@ -462,32 +438,7 @@ class Store:
             argv += [k, v]
         return bool(state) and bool(self._touch_l3(keys=_instance_keys(ip), args=argv))
 
-    def l3_members(self, ip: str, group: int = 0) -> set[int]:
-        return {int(m) for m in self.r.smembers(keys.l3_group_set(ip, group))}
-
-    def l3_state(self, ip: str) -> dict[str, str]:
-        return text_dict(self.r.hgetall(keys.l3_state(ip)))
-
     # -- API hot path -----------------------------------------------------------------
-
-    def prefix_lengths(self, ips: Sequence[str], members: Sequence[bytes]) -> list[tuple[int, int]]:
-        """For each ip, the longest run from block 0 of ``members`` held in L1 and in L3
-        (group 0). One pipelined round trip: SMISMEMBER on both tiers of every distinct
-        candidate."""
-        if not members:
-            return [(0, 0)] * len(ips)
-        distinct = list(dict.fromkeys(ips))
-        reads = Reads()
-        blob = reads.members(members)
-        for ip in distinct:
-            reads.smismember(keys.tier_set(ip, "l1"), blob)
-            reads.smismember(keys.l3_set(ip), blob)
-        replies = self.execute(reads)
-        by_ip = {
-            ip: (_run_length(replies[2 * i]), _run_length(replies[2 * i + 1]))
-            for i, ip in enumerate(distinct)
-        }
-        return [by_ip[ip] for ip in ips]
 
     def execute(self, reads: Reads) -> list[Any]:
         """Send every queued read in one pipelined round trip; replies in queue order
@@ -611,10 +562,3 @@ def _normalise(reads: Reads, replies: list[Any]) -> list[Any]:
         elif op == _HGET:
             replies[i] = None if reply is None else text(reply)
     return replies
-
-
-def _run_length(flags: list[int]) -> int:
-    try:
-        return flags.index(0)
-    except ValueError:
-        return len(flags)

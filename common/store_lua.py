@@ -1,17 +1,19 @@
 """Lua sources of the store's atomic operations (loaded once per client by common.store).
 
-Every instance script receives the same KEYS bundle (see ``common.store._instance_keys``)
-and, as ARGV[1] and ARGV[2], the prefixes of the *legacy* per-rank count hashes of tiers l1
-and l2 (``…:l1:r`` and ``…:l2:r``, layout before the copies hash) so that the drop scripts
-can remove them without this file spelling a key. KEYS: 1 meta, 2 gen, 3 l1 state,
-4 l1 owner, 5 l1 set, 6 l1 copies, 7 l2 set, 8 l2 copies, 9 l3 set, 10 l3 staging,
-11 l3 state, 12 legacy l1 counts, 13 legacy l2 counts, 14 group descriptors.
+Every instance script receives the same KEYS bundle, in the order of :data:`INSTANCE_KEYS`,
+the one place that order is written: ``common.store._instance_keys`` builds the bundle from
+it, and every script reads it through the table ``K`` that :data:`_KEYS` (generated from it)
+binds, ``K.meta``, ``K.l1_state``, … (``tests/unit/test_store_lua_keys.py`` checks that no
+instance script spells ``KEYS[n]`` and that every ``K.<name>`` is in the table). As ARGV[1]
+and ARGV[2] they also receive the prefixes of the *legacy* per-rank count hashes of tiers
+l1 and l2 (``…:l1:r`` and ``…:l2:r``, layout before the copies hash) so that the drop
+scripts can remove them without this file spelling a key.
 
-**KV-cache groups.** KEYS 5–10 are group 0's. Group g >= 1 of a tier lives in the group-0
-key followed by ``:g<g>`` (its copies hash by ``:copies`` after that, its L3 staging by
-``:new``), the one rule :func:`common.keys.tier_group_set` also spells (a test checks the
-two agree). The groups that exist are the numeric fields of KEYS[14] (l1/l2) and the l3
-state's ``groups`` field (l3).
+**KV-cache groups.** ``K.l1_set`` … ``K.l3_staging`` are group 0's. Group g >= 1 of a tier
+lives in the group-0 key followed by ``:g<g>`` (its copies hash by ``:copies`` after that,
+its L3 staging by ``:new``), the one rule :func:`common.keys.tier_group_set` also spells (a
+test checks the two agree). The groups that exist are the numeric fields of ``K.l1_groups``
+(l1/l2) and the l3 state's ``groups`` field (l3).
 
 Copies (see :mod:`common.keys`): a hash in a tier set that has no field in the tier's
 copies hash holds exactly one copy, on DP rank 0. Any other distribution is the copies
@@ -22,19 +24,45 @@ field of the copies hash is a member of the set, and no value is ``""`` or ``"1"
 
 from __future__ import annotations
 
-_COMMON = r"""
+INSTANCE_KEYS = (
+    "meta",
+    "gen",
+    "l1_state",
+    "l1_owner",
+    "l1_set",
+    "l1_copies",
+    "l2_set",
+    "l2_copies",
+    "l3_set",
+    "l3_staging",
+    "l3_state",
+    "legacy_l1_counts",
+    "legacy_l2_counts",
+    "l1_groups",
+)
+"""The KEYS bundle of every instance script, in order (the names are ``common.keys``')."""
+
+_KEYS = (
+    "local K = {"
+    + ", ".join(f"{name} = KEYS[{i}]" for i, name in enumerate(INSTANCE_KEYS, 1))
+    + "}\n"
+)
+
+_COMMON = (
+    _KEYS
+    + r"""
 local function tier_keys(tier, g)
-  local set, x = KEYS[5], KEYS[6]
-  if tier == 'l2' then set, x = KEYS[7], KEYS[8] end
+  local set, x = K.l1_set, K.l1_copies
+  if tier == 'l2' then set, x = K.l2_set, K.l2_copies end
   if g == nil or g == '0' then return set, x end
   set = set .. ':g' .. g
   return set, set .. ':copies'
 end
 
--- The KV-cache groups of the event-fed tiers: '0' and every numeric field of KEYS[14].
+-- The KV-cache groups of the event-fed tiers: '0' and every numeric field of K.l1_groups.
 local function event_groups()
   local gs = {'0'}
-  for _, f in ipairs(redis.call('HKEYS', KEYS[14])) do
+  for _, f in ipairs(redis.call('HKEYS', K.l1_groups)) do
     if string.match(f, '^%d+$') and f ~= '0' then gs[#gs + 1] = f end
   end
   return gs
@@ -142,7 +170,7 @@ end
 
 local function known_ranks()
   local ranks = {}
-  for _, field in ipairs(redis.call('HKEYS', KEYS[3])) do
+  for _, field in ipairs(redis.call('HKEYS', K.l1_state)) do
     local r = string.match(field, '^seq:(%d+)$')
     if r then ranks[#ranks + 1] = r end
   end
@@ -160,21 +188,21 @@ local function drop_event_tiers()
       redis.call('UNLINK', s1, x1, s2, x2)
     end
   end
-  redis.call('UNLINK', KEYS[3], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[12], KEYS[13],
-             KEYS[14])
+  redis.call('UNLINK', K.l1_state, K.l1_set, K.l1_copies, K.l2_set, K.l2_copies,
+             K.legacy_l1_counts, K.legacy_l2_counts, K.l1_groups)
 end
 
 -- The L3 group sets (and stagings) named by the l3 state's 'groups', group 0 included.
 local function drop_l3()
-  local gs = redis.call('HGET', KEYS[11], 'groups')
+  local gs = redis.call('HGET', K.l3_state, 'groups')
   if gs then
     for g in string.gmatch(gs, '[^,]+') do
       if g ~= '0' then
-        redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new')
+        redis.call('UNLINK', K.l3_set .. ':g' .. g, K.l3_set .. ':g' .. g .. ':new')
       end
     end
   end
-  redis.call('UNLINK', KEYS[9], KEYS[10], KEYS[11])
+  redis.call('UNLINK', K.l3_set, K.l3_staging, K.l3_state)
 end
 
 -- A new generation: above the last one and never below the server's clock in ms, so a
@@ -183,16 +211,16 @@ end
 local function next_gen()
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+  local gen = math.max(tonumber(redis.call('GET', K.gen) or '0') + 1, now)
   gen = string.format('%d', gen)
-  redis.call('SET', KEYS[2], gen)
+  redis.call('SET', K.gen, gen)
   return gen
 end
 
 local function drop_all()
   drop_event_tiers()
   drop_l3()
-  redis.call('UNLINK', KEYS[4])
+  redis.call('UNLINK', K.l1_owner)
 end
 
 -- A reset the store decides itself (old layout, a group's descriptor changed): drop L1/L2,
@@ -200,43 +228,44 @@ end
 -- and say why in the new state hash.
 local function reset_instance(why)
   drop_event_tiers()
-  redis.call('HSET', KEYS[1], 'gen', next_gen())
-  redis.call('HSET', KEYS[3], 'reset_reason', why)
+  redis.call('HSET', K.meta, 'gen', next_gen())
+  redis.call('HSET', K.l1_state, 'reset_reason', why)
 end
 """
+)
 
 UPSERT_INSTANCE = (
     _COMMON
     + r"""
 -- ARGV[3] uid, ARGV[4] restart token, ARGV[5..] field, value pairs for the meta hash
 local uid, restarts = ARGV[3], ARGV[4]
-local cur_uid = redis.call('HGET', KEYS[1], 'uid')
+local cur_uid = redis.call('HGET', K.meta, 'uid')
 local result
 if not cur_uid then
   drop_all()
   result = 'added'
 elseif cur_uid ~= uid then
   drop_all()
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', K.meta)
   result = 'replaced'
-elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then
+elseif redis.call('HGET', K.meta, 'restarts') ~= restarts then
   drop_event_tiers()
   result = 'restarted'
 else
   result = 'unchanged'
   for i = 5, #ARGV, 2 do
-    if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end
+    if redis.call('HGET', K.meta, ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end
   end
 end
 local gen
 if result == 'unchanged' or result == 'updated' then
-  gen = redis.call('HGET', KEYS[1], 'gen')
+  gen = redis.call('HGET', K.meta, 'gen')
 else
   gen = next_gen()
 end
 local fields = {'uid', uid, 'restarts', restarts, 'gen', gen}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('HSET', K.meta, unpack(fields))
 return {result, tonumber(gen)}
 """
 )
@@ -244,9 +273,9 @@ return {result, tonumber(gen)}
 REMOVE_INSTANCE = (
     _COMMON
     + r"""
-local existed = redis.call('EXISTS', KEYS[1])
+local existed = redis.call('EXISTS', K.meta)
 drop_all()
-redis.call('DEL', KEYS[1])
+redis.call('DEL', K.meta)
 next_gen()
 return existed
 """
@@ -270,10 +299,11 @@ APPLY_BATCH = (
 -- changed (the instance was reset: new generation, reset_reason in the state hash), -4 the
 -- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
 -- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
-if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
-if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
-if redis.call('EXISTS', KEYS[12], KEYS[13]) > 0
-   or (redis.call('EXISTS', KEYS[14]) == 0 and redis.call('EXISTS', KEYS[5], KEYS[7]) > 0) then
+if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
+if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
+if redis.call('EXISTS', K.legacy_l1_counts, K.legacy_l2_counts) > 0
+   or (redis.call('EXISTS', K.l1_groups) == 0
+       and redis.call('EXISTS', K.l1_set, K.l2_set) > 0) then
   -- Written in an older layout (per-rank count hashes, or sets without group descriptors):
   -- what it holds cannot be trusted here, so drop L1/L2 and move the generation on, as for
   -- a vLLM restart; the ingester sees stale_gen, reloads and re-syncs from the replay buffer.
@@ -285,15 +315,15 @@ local seqf, digf = 'seq:' .. rank, 'dig:' .. rank
 -- The cursor fence: a batch follows the batch the writer applied last, so it is refused if
 -- the store no longer holds exactly that one (a reset does not depend on what is stored).
 if ARGV[7] ~= '1' and ARGV[9] ~= '*' then
-  local cur = redis.call('HMGET', KEYS[3], seqf, digf)
+  local cur = redis.call('HMGET', K.l1_state, seqf, digf)
   if (cur[1] or '-1') ~= ARGV[9] or (cur[2] or '') ~= ARGV[10] then return {-4, 0, 0, 0, 0} end
 end
 local cleared = 0
 if ARGV[7] == '1' then
   cleared = clear_rank('l1', rank) + clear_rank('l2', rank)
-  redis.call('HDEL', KEYS[3], seqf, digf)
+  redis.call('HDEL', K.l1_state, seqf, digf)
 end
-local last = redis.call('HGET', KEYS[3], seqf)
+local last = redis.call('HGET', K.l1_state, seqf)
 if last and seq <= tonumber(last) then return {0, 0, 0, 0, cleared} end
 -- Descriptors first, before any write: a kind or window that changed within a generation
 -- means the engine is not the one indexed (or the index is wrong): reset, never mix.
@@ -303,7 +333,7 @@ while i <= #ARGV do
   local op, g, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 3])
   if op == 'D' then
     local kind, b, w = ARGV[i + 4], tonumber(ARGV[i + 5]), ARGV[i + 6]
-    local cur = learned[g] or redis.call('HGET', KEYS[14], g)
+    local cur = learned[g] or redis.call('HGET', K.l1_groups, g)
     local ck, cb, cw, cm = '-', 0, '', 0
     if cur then ck, cb, cw, cm = string.match(cur, '^([^,]*),(%d+),([^,]*),(%d+)$') end
     cb, cm = tonumber(cb), tonumber(cm)
@@ -319,14 +349,14 @@ while i <= #ARGV do
   elseif op == 'H' then
     learned['h_cfg'], learned['chunk'], learned['dp'] = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   elseif op == 'S' and not learned[g] then  -- a set never exists without its group's field
-    learned[g] = redis.call('HGET', KEYS[14], g) or '-,0,,0'
+    learned[g] = redis.call('HGET', K.l1_groups, g) or '-,0,,0'
   end
   i = i + 4 + n
 end
 for f, v in pairs(learned) do
-  if redis.call('HGET', KEYS[14], f) ~= v then redis.call('HSET', KEYS[14], f, v) end
+  if redis.call('HGET', K.l1_groups, f) ~= v then redis.call('HSET', K.l1_groups, f, v) end
 end
-if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end
+if ARGV[8] == '1' then redis.call('HINCRBY', K.l1_state, 'gap:' .. rank, 1) end
 local stored, removed, unknown = 0, 0, 0
 local ri = tonumber(rank) + 1
 i = 12
@@ -346,39 +376,44 @@ while i <= #ARGV do
   end
   i = i + 4 + n
 end
-redis.call('HSET', KEYS[3], seqf, ARGV[6])
-if ARGV[11] ~= '' then redis.call('HSET', KEYS[3], digf, ARGV[11])
-else redis.call('HDEL', KEYS[3], digf) end
+redis.call('HSET', K.l1_state, seqf, ARGV[6])
+if ARGV[11] ~= '' then redis.call('HSET', K.l1_state, digf, ARGV[11])
+else redis.call('HDEL', K.l1_state, digf) end
 return {1, stored, removed, unknown, cleared}
 """
 )
 
-L1_STATUS = r"""
--- KEYS as above; ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] number of field,
+L1_STATUS = (
+    _KEYS
+    + r"""
+-- K as above; ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] number of field,
 -- value pairs to set, then those pairs, then field, increment pairs (counters).
 -- The ingester's status of the instance (connection, replay, hash self-check) lives in the
 -- l1 state hash next to seq:<rank>; fenced like apply_batch. 1 written, 0 refused.
-if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end
-if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return 0 end
+if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end
+if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return 0 end
 local n = tonumber(ARGV[5])
-if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, 6, 5 + 2 * n)) end
-for i = 6 + 2 * n, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+if n > 0 then redis.call('HSET', K.l1_state, unpack(ARGV, 6, 5 + 2 * n)) end
+for i = 6 + 2 * n, #ARGV, 2 do redis.call('HINCRBY', K.l1_state, ARGV[i], ARGV[i + 1]) end
 return 1
 """
+)
 
-REPLACE_L3 = r"""
--- KEYS as above; ARGV[3] the generation the data was computed for ('' = any registered),
+REPLACE_L3 = (
+    _KEYS
+    + r"""
+-- K as above; ARGV[3] the generation the data was computed for ('' = any registered),
 -- ARGV[4] the groups of the new data, comma-separated ("0", "0,1,3"); ARGV[5..] field,
 -- value pairs for the l3 state hash.
 -- The staging sets (one per group) were filled by the caller in the same pipeline.
 local new = {}
 for g in string.gmatch(ARGV[4], '[^,]+') do new[#new + 1] = g end
 local function l3_keys(g)
-  if g == '0' then return KEYS[9], KEYS[10] end
-  return KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new'
+  if g == '0' then return K.l3_set, K.l3_staging end
+  return K.l3_set .. ':g' .. g, K.l3_set .. ':g' .. g .. ':new'
 end
-if redis.call('EXISTS', KEYS[1]) == 0
-   or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then
+if redis.call('EXISTS', K.meta) == 0
+   or (ARGV[3] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[3]) then
   for _, g in ipairs(new) do
     local _, staging = l3_keys(g)
     redis.call('DEL', staging)
@@ -395,22 +430,26 @@ for _, g in ipairs(new) do
     redis.call('UNLINK', set)
   end
 end
-local old = redis.call('HGET', KEYS[11], 'groups') or '0'
+local old = redis.call('HGET', K.l3_state, 'groups') or '0'
 for g in string.gmatch(old, '[^,]+') do
   if not keep[g] then redis.call('UNLINK', (l3_keys(g))) end
 end
-redis.call('HSET', KEYS[11], 'groups', ARGV[4])
-if #ARGV > 4 then redis.call('HSET', KEYS[11], unpack(ARGV, 5)) end
+redis.call('HSET', K.l3_state, 'groups', ARGV[4])
+if #ARGV > 4 then redis.call('HSET', K.l3_state, unpack(ARGV, 5)) end
 return 1
 """
+)
 
-TOUCH_L3 = r"""
--- KEYS as above; ARGV[3] generation, ARGV[4..] field, value pairs for the l3 state hash.
+TOUCH_L3 = (
+    _KEYS
+    + r"""
+-- K as above; ARGV[3] generation, ARGV[4..] field, value pairs for the l3 state hash.
 -- Refreshes the state of an unchanged L3 set (e.g. updated_ms) without rewriting it.
-if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end
-redis.call('HSET', KEYS[11], unpack(ARGV, 4))
+if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end
+redis.call('HSET', K.l3_state, unpack(ARGV, 4))
 return 1
 """
+)
 
 CLAIM_LEASE = r"""
 -- KEYS[1] lease key; ARGV[1] holder, ARGV[2] ttl ms. 1 = held by holder now, 0 = held by another.

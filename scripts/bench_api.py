@@ -50,6 +50,7 @@ from common.settings import ApiSettings
 from common.store import Instance, Store, TierOps
 from services.api import hit_rate
 from services.api.api_metrics import ApiMetrics
+from tests.store_oracle import OracleStore
 
 from bench_util import free_port, stop, wait_for
 
@@ -203,7 +204,7 @@ def _stages(body: bytes, store: Store, hasher: BlockHasher, repeat: int) -> list
         ("parse_request (loads + validation)", lambda: hit_rate.parse_request(body)),
         ("member_keys (hashing)", lambda: hasher.member_keys(request.token_ids, BLOCK)),
         (
-            "Store.prefix_lengths (one pipelined round trip)",
+            "prefix_lengths (one pipelined round trip, Store.execute)",
             lambda: store.prefix_lengths(request.server_ips, members),
         ),
         (
@@ -411,7 +412,7 @@ class Servers:
             "BENCH_API_REDIS": os.environ["BENCH_API_REDIS"],
         }
         for port, worker, app in (
-            (ports[1], "services.api.worker.DeadlineWorker", "api_without_hashing_app()"),
+            (ports[1], "services.api.transport.worker.DeadlineWorker", "api_without_hashing_app()"),
             (ports[2], "gthread", "baseline_app()"),
         ):
             self._start(
@@ -471,7 +472,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
     servers = Servers(tmp, args.workers)
     try:
-        store, hasher = Store(servers.client), BlockHasher(ApiSettings().hash)
+        store, hasher = OracleStore(servers.client), BlockHasher(ApiSettings().hash)
         small, _, _, small_members = _prompt(hasher, store, 4096, 8, 41)
         large, _, large_prompt, large_members = _prompt(hasher, store, 131072, 16, 42)
         http = servers.start_http({4096: small_members, 131072: large_members})

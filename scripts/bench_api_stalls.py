@@ -3,7 +3,7 @@
 Starts its own redis-server and two gunicorn servers of the same app
 (``services.api.app:get_app()``, 2 workers × 4 threads, default ``http.*`` deadlines): one
 with gunicorn's stock ``gthread`` worker (before issue 13), one with
-:class:`services.api.worker.DeadlineWorker`. For each N it opens N connections to each
+:class:`services.api.transport.worker.DeadlineWorker`. For each N it opens N connections to each
 server that send part of a request and stop (half mid-headers, half mid-body), then sends
 ``--requests`` normal requests (8 candidates × 4,096 tokens, one keep-alive client, 5 s
 client timeout; it gives up after 5 time-outs) and prints p50/p99 latency of the answered
@@ -29,7 +29,7 @@ from bench_api import BLOCK, Servers, _pct, _prompt
 from bench_util import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKERS = {"stock gthread": "gthread", "API worker": "services.api.worker.DeadlineWorker"}
+WORKERS = {"stock gthread": "gthread", "API worker": "services.api.transport.worker.DeadlineWorker"}
 
 
 def _stall(port: int, count: int, body: bytes) -> list[socket.socket]:

@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import keys  # noqa: E402
-from common.store import Instance, Store  # noqa: E402
+from common.store import Instance  # noqa: E402
+from tests.store_oracle import OracleStore  # noqa: E402
 
 from bench_util import free_port, wait_for  # noqa: E402
 
@@ -127,7 +128,7 @@ def _fill(args: argparse.Namespace, server: Server, work: Path) -> tuple[int, di
             }
         )
     )
-    store = Store(server.client)
+    store = OracleStore(server.client)
     children = [_spawn(["discovery", "--config", str(config)], work / "discovery.log")]
     wait_for(
         lambda: store.get_instance(IP) is not None,
@@ -217,7 +218,7 @@ def _side_by_side(server: Server, members: list[str], copies: dict[str, int]) ->
         c.sadd("bare", *members[i : i + 10_000])
     out["bare"] = server.used() - before
     c.delete("bare")
-    store = Store(c)
+    store = OracleStore(c)
     store.upsert_instance(Instance(ip=IP, uid="bench"))
     before = server.used()
     store.replace_l3(IP, [int(m) for m in members])

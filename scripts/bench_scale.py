@@ -12,8 +12,9 @@ For each backend (one ``redis-server``, and a 3-master Redis Cluster made with
    workers) behind round-robin client processes, for two request shapes — 8 candidates ×
    4k tokens and 64 candidates × 32k tokens (block size 128: 32 and 256 blocks). The
    8-candidate requests draw from the first 10 instances (the "10-instance case"), the
-   64-candidate ones from the first 64. Also, in this process, ``Store.prefix_lengths``
-   alone (the API's one pipelined round trip, no HTTP / hashing).
+   64-candidate ones from the first 64. Also, in this process, ``prefix_lengths`` alone
+   (``tests/store_oracle.py``: the single-group reads the API sends in its one pipelined
+   round trip, through ``Store.execute``; no HTTP / hashing).
 3. **Large fleet**: the index is filled to ``--instances`` (default 1,000) and the same
    load runs again, candidates drawn from all instances. Redis ``used_memory`` (summed
    over the cluster's nodes) after each fill.
@@ -49,6 +50,7 @@ from common.config import Redis as RedisConfig
 from common.redis_client import Client, connect
 from common.store import Instance, Store, TierOps
 from tests.redis_nodes import Cluster, Node, reserve_port, wait_for
+from tests.store_oracle import OracleStore
 
 BLOCK = 128
 POOL = 32
@@ -242,7 +244,7 @@ class Fleet:
         self.servers.start()
         self.cfg = RedisConfig(url=self.servers.url, cluster=kind == "cluster", socket_timeout=30)  # type: ignore[arg-type]
         self.client = connect(self.cfg, retries=3)
-        self.store = Store(self.client)
+        self.store = OracleStore(self.client)
         base = _used_memory(self.client, self.cfg.cluster)
         t0 = time.perf_counter()
         _fill(self.store, data, 0, n, args.blocks, args.batch)

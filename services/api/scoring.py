@@ -20,14 +20,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from common import hit_rule, keys
 from common.group_view import UNCONFIRMED_UNIT, parse_groups
 from common.hit_rule import Rule
-from common.store import Reads, Store
+from common.store import Reads
 
 Chain = Callable[[int], Sequence[bytes]]
+
+
+class StoreReads(Protocol):
+    """What scoring needs of :class:`common.store.Store`: one round trip of queued reads."""
+
+    def execute(self, reads: Reads) -> list[Any]: ...
+
+
 """Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
 
 CACHE_SIZE = 65_536
@@ -136,7 +144,7 @@ class Scorer:
     """The hits of every candidate of one request (see the module docstring)."""
 
     def __init__(
-        self, num_tokens: int, block_size: int, chain: Chain, store: Store | None = None
+        self, num_tokens: int, block_size: int, chain: Chain, store: StoreReads | None = None
     ) -> None:
         self.num_tokens, self.block_size, self.chain = num_tokens, block_size, chain
         self.store = store

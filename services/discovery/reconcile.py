@@ -32,10 +32,24 @@ import redis
 
 from common.health import Health
 from common.lifecycle import Backoff, StateLog
-from common.store import Instance, RegistryChange, Store
+from common.store import Instance, RegistryChange
 from services.discovery.metrics import DiscoveryMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class Registry(Protocol):
+    """Discovery's role of :class:`common.store.Store`: the registry and the discovery lease."""
+
+    def claim_discovery_lease(self, holder: str, ttl_ms: int) -> bool: ...
+    def release_discovery_lease(self, holder: str) -> bool: ...
+    def instance_ips(self) -> set[str]: ...
+    def list_instances(self) -> list[Instance]: ...
+    def upsert_instance(self, inst: Instance) -> tuple[RegistryChange, int]: ...
+    def remove_instance(self, ip: str) -> bool: ...
+    def list_masters(self) -> dict[str, str]: ...
+    def set_masters(self, masters: dict[str, str]) -> None: ...
+
 
 _STOP_POLL = 0.25
 """Longest wait between checks of the stop event while idle (seconds)."""
@@ -67,7 +81,7 @@ class Reconciler:
     """Holds the discovery lease and makes the registry equal to a :class:`Desired`."""
 
     def __init__(
-        self, store: Store, holder: str, lease_ttl: float, metrics: DiscoveryMetrics
+        self, store: Registry, holder: str, lease_ttl: float, metrics: DiscoveryMetrics
     ) -> None:
         self.store, self.holder, self.metrics = store, holder, metrics
         self.ttl = max(lease_ttl, 0.3)

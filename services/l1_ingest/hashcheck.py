@@ -8,8 +8,9 @@ event's ``block_hashes``:
 
 * Only chains it can prove: an event whose parent is the chain root (``parent_block_hash``
   nil on a full-attention group: NONE_HASH from the configured seed) or a block it verified
-  itself, in any KV-cache group (its full 32-byte digest is kept; events carry only 8 bytes,
-  which cannot be chained). GPU events only.
+  itself, in any KV-cache group (its full 32-byte digest is kept, the last
+  :data:`VERIFIED_MAX` per instance; events carry only 8 bytes, which cannot be chained).
+  GPU events only.
 * Plain stores (tokens exactly ``len(block_hashes) * block_size`` at the hash unit) are
   checked block by block. Every other store of a KV-cache group — a sliding-window or Mamba
   group's sparse store, a block larger than the hash unit ``h``, a partial entry — is checked
@@ -30,8 +31,9 @@ event's ``block_hashes``:
   after a block did not (``unchecked`` before either).
 * On a mismatch it searches the plausible alternatives (the configured and common seeds,
   ``"vllm-none-hash"``, both algos, both extra-key rules) on that one block and names the one
-  that matches, in the status detail, the log (once per change) and a metric. A search that
-  finds nothing is not repeated for :data:`SEARCH_INTERVAL` seconds.
+  that matches, in the status detail, the log (once per change) and
+  ``cache_indexer_l1_hash_check_hint_total``. A search that finds nothing is not repeated for
+  :data:`SEARCH_INTERVAL` seconds.
 
 Pure apart from logging and metrics (no I/O); the subscriber writes its counts to Redis.
 """

@@ -24,8 +24,12 @@ class IngestMetrics:
         )
         self.batches = r.counter(
             "cache_indexer_l1_batches_total",
-            "batches by result (applied, duplicate, stale_gen, not_owner, cursor_moved, ...)",
+            "batches by result (BatchStatus: applied, duplicate, stale_gen, not_owner, …)",
             ("result",),
+        )
+        self.unknown_removes = r.counter(
+            "cache_indexer_l1_unknown_removes_total",
+            "removed hashes the index did not hold for that rank (drift: a store never seen)",
         )
         self.gaps = r.counter(
             "cache_indexer_l1_gaps_total",
@@ -47,7 +51,7 @@ class IngestMetrics:
         )
         self.malformed_frames = r.counter(
             "cache_indexer_l1_malformed_frames_total",
-            "ZMQ messages dropped before decoding, by reason",
+            "ZMQ messages dropped unapplied, by reason (framing, not_a_batch)",
             ("reason",),
         )
         self.skipped_media = r.counter(

@@ -28,9 +28,25 @@ import redis
 
 from common.health import Health
 from common.lifecycle import Backoff
-from common.store import Instance, Store
+from common.store import Instance
 
 logger = logging.getLogger(__name__)
+
+
+class Registry(Protocol):
+    """What the assignment loop reads of :class:`common.store.Store`."""
+
+    def list_instances(self) -> list[Instance]: ...
+
+
+class Leases(Protocol):
+    """Lease mode's role of :class:`common.store.Store`: the heartbeat and instance leases."""
+
+    def heartbeat_ingester(self, ingester_id: str, ttl_ms: int) -> list[str]: ...
+    def leave_ingesters(self, ingester_id: str) -> None: ...
+    def claim_instance(self, ip: str, holder: str, ttl_ms: int) -> bool: ...
+    def release_instance(self, ip: str, holder: str) -> bool: ...
+
 
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
@@ -85,7 +101,7 @@ class StaticAssigner:
 class LeaseAssigner:
     """Lease mode: heartbeat, rendezvous over live ingesters, hold owner leases."""
 
-    def __init__(self, store: Store, ingester_id: str, lease_ttl: float) -> None:
+    def __init__(self, store: Leases, ingester_id: str, lease_ttl: float) -> None:
         self.store = store
         self.owner = ingester_id
         self.ttl_ms = max(1, int(lease_ttl * 1000))
@@ -129,7 +145,7 @@ class Assigner(Protocol):
 
 def run_assignment(
     stop: threading.Event,
-    store: Store,
+    store: Registry,
     assigner: Assigner,
     publish: Callable[[dict[str, Instance]], None],
     *,

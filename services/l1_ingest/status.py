@@ -8,7 +8,7 @@ pipeline, fenced by generation and owner) into the instance's ``ci:{ip}:l1:state
 
 | field | meaning |
 |---|---|
-| ``ingester`` | id of the ingester writing (lease owner, or ``static-<host>-<pid>``) |
+| ``ingester`` | id of the ingester writing (``--id``, else ``<host>-<pid>-<6 hex>``: ``main.py``) |
 | ``status_ms`` | when this status was written (ms since epoch, the ingester's clock) |
 | ``subscribed_ms`` | when this ingester began following the instance |
 | ``last_event_ms`` | last batch (live or replayed) arrival, to ~1 s; absent = none yet |
@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis
 
@@ -37,11 +38,18 @@ from common.errors import ConfigError
 from common.lifecycle import StateLog
 from common.settings import L1IngestSettings
 from common.status_report import ConnState
-from common.store import Instance, L1Status, Store
+from common.store import Instance, L1Status
 from services.l1_ingest.hashcheck import UNCHECKED, HashChecker
 from services.l1_ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class StatusWriter(Protocol):
+    """The status board's role of :class:`common.store.Store`."""
+
+    def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]: ...
+
 
 CONN_ORDER = tuple(ConnState)
 """Connection states, best first; an instance shows its worst rank."""
@@ -148,7 +156,7 @@ class StatusBoard:
 
     def __init__(
         self,
-        store: Store,
+        store: StatusWriter,
         cfg: L1IngestSettings,
         metrics: IngestMetrics,
         *,

@@ -6,7 +6,9 @@ round trip). A gap starts a replay (when the instance has a replay endpoint); th
 that revealed it waits, and the subscriber stops reading the rank's SUB socket (ZMQ queues
 the rest) until :meth:`finish_replay` has written the replayed batches and then that one.
 What replay cannot cover is handled by ``ingest.l1.onUnrecoverableGap``: ``keep`` writes the
-next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True``.
+next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True``. A live
+sequence that goes backwards (:class:`~services.l1_ingest.apply.Verdict`) is a publisher
+restart: the rank is reset and replayed from 0.
 
 A write the store refuses (the instance changed generation, or another ingester owns it)
 raises :class:`~common.errors.FencedError` and ends the session: the subscriber drops the
@@ -22,11 +24,11 @@ and the store keeps a short digest of the payload applied there (``dig:<rank>``,
 at it, shows the publisher restarted (vLLM does not persist its sequence, and every payload
 carries a timestamp): the rank is reset and replayed from 0. Because the digest is in Redis,
 this holds after an ingester restart too. A replay that starts above the sequence asked for
-(trimmed buffer, spec §1.3) is an unrecoverable gap. Without a replay endpoint nothing can
-verify a lifetime, so the first live batch after a (re)connect that is past the cursor (a
-gap) is taken for a **possible restart** and resets the rank (whatever the gap policy): the
-index then under-reports until the engine stores its blocks again, but never credits the
-instance with a dead lifetime's blocks.
+(trimmed buffer, spec §1.3), a first join from 0 included, is an unrecoverable gap. Without a
+replay endpoint nothing can verify a lifetime, so the first live batch after a (re)connect
+that is past the cursor (a gap) is taken for a **possible restart** and resets the rank
+(whatever the gap policy): the index then under-reports until the engine stores its blocks
+again, but never credits the instance with a dead lifetime's blocks.
 
 **Cursor fence.** Every write names the cursor (seq, digest) it follows
 (:class:`~common.store.StoredCursor`); the store refuses it (``CURSOR_MOVED``) if the stored
@@ -37,7 +39,9 @@ trimmed buffer, nothing stored) resets the rank. The subscriber also compares ev
 stored cursor with the stream's every couple of seconds, so a quiet instance re-syncs too.
 
 A replay endpoint ZMQ cannot connect to (``tcp://*:port``, no port) makes replay unavailable
-for the session: logged once, and every gap is handled by the policy above.
+for the session: logged once, and every gap is handled by the policy above; the other
+instances are never held up. Static discovery already skips such entries
+(``services/discovery/endpoints.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from typing import Protocol
 
 import zmq
 
@@ -52,7 +57,7 @@ from common.errors import FencedError, NotABatchError
 from common.events import Event, decode_batch
 from common.lifecycle import StateLog
 from common.settings import GapPolicy
-from common.store import ApplyResult, BatchStatus, Instance, Store, StoredCursor, TierOps
+from common.store import ApplyResult, BatchStatus, Instance, StoredCursor, TierOps
 from services.l1_ingest.apply import (
     Cursor,
     GroupSettings,
@@ -68,6 +73,27 @@ from services.l1_ingest.replay import ReplayRequest
 from services.l1_ingest.status import InstanceStatus
 
 logger = logging.getLogger(__name__)
+
+
+class BatchWriter(Protocol):
+    """A rank stream's role of :class:`common.store.Store`: fenced batch writes, the cursor."""
+
+    def apply_batch(
+        self,
+        ip: str,
+        gen: int,
+        rank: int,
+        seq: int,
+        ops: TierOps,
+        *,
+        owner: str = "",
+        reset: bool = False,
+        gap: bool = False,
+        follows: StoredCursor | None = None,
+        digest: str = "",
+    ) -> ApplyResult: ...
+
+    def cursor(self, ip: str, rank: int) -> StoredCursor: ...
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -95,7 +121,7 @@ class RankStream:
         self,
         inst: Instance,
         rank: int,
-        store: Store,
+        store: BatchWriter,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
         owner: str,
@@ -368,6 +394,8 @@ class RankStream:
             self.digest = (step.seq, digest)
             self.stored = StoredCursor(step.seq, digest.hex())
             self._count(plan)
+            if result.unknown_removes:
+                self.metrics.unknown_removes.inc(result.unknown_removes)
             if self.status is not None and self.status.checker is not None:
                 self.status.checker.offer(events)
         elif result.status is BatchStatus.DUPLICATE:

@@ -33,10 +33,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from enum import Enum
+from typing import Protocol
 
 import redis
 import zmq
@@ -47,13 +48,21 @@ from common.health import Health
 from common.lifecycle import Backoff, StateLog
 from common.settings import L1IngestSettings
 from common.status_report import ConnState
-from common.store import Instance, Store
+from common.store import Instance, StoredCursor
 from services.l1_ingest.apply import GroupSettings
 from services.l1_ingest.metrics import IngestMetrics
-from services.l1_ingest.status import ConnRound, StatusBoard, worst
-from services.l1_ingest.stream import RankStream, rank_endpoint
+from services.l1_ingest.status import ConnRound, StatusBoard, StatusWriter, worst
+from services.l1_ingest.stream import BatchWriter, RankStream, rank_endpoint
 
 logger = logging.getLogger(__name__)
+
+
+class L1Store(BatchWriter, StatusWriter, Protocol):
+    """The subscriber's role of :class:`common.store.Store`: its streams' and its board's,
+    and the periodic check of the stored cursors."""
+
+    def cursors(self, ranks: Sequence[tuple[str, int]]) -> list[StoredCursor]: ...
+
 
 POLL_MS = 250
 STATUS_INTERVAL = 1.0
@@ -108,7 +117,7 @@ class Subscriber:
 
     def __init__(
         self,
-        store: Store,
+        store: L1Store,
         cfg: L1IngestSettings,
         metrics: IngestMetrics,
         *,

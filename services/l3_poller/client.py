@@ -173,18 +173,6 @@ def parse_segments_detail(body: bytes) -> dict[str, str]:
         raise MasterError(f"get_segments_detail: bad body ({exc})", "garbage") from exc
 
 
-def batches(keys: Sequence[bytes], size: int) -> Iterator[Sequence[bytes]]:
-    """Split keys into runs of at most ``size`` keys and :data:`MAX_URL_BYTES` bytes."""
-    start, length = 0, 0
-    for i, key in enumerate(keys):
-        if i > start and (i - start >= size or length + len(key) + 1 > MAX_URL_BYTES):
-            yield keys[start:i]
-            start, length = i, 0
-        length += len(key) + 1
-    if start < len(keys):
-        yield keys[start:]
-
-
 class MasterClient:
     """One master; ``base_url`` already has its scheme (``http://10.0.0.9:9003``)."""
 

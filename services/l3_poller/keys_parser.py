@@ -97,10 +97,6 @@ class AscendNamespace(NamedTuple):
         of the same model on one master write different keys, never usable by the other)."""
         return ("vllm-ascend", self.form, self.model)
 
-    @property
-    def layerwise(self) -> bool:
-        return self.layer >= 0
-
 
 AnyNamespace = Namespace | AscendNamespace
 

@@ -27,13 +27,13 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis
 
 from common.health import Health, Heartbeat
 from common.lifecycle import Backoff, StateLog
 from common.settings import L3PollerSettings
-from common.store import Store
 from services.l3_poller.client import (
     MAX_URL_BYTES,
     Churn,
@@ -46,9 +46,16 @@ from services.l3_poller.completeness import pins_by_model
 from services.l3_poller.index import Blocks, MasterIndex, PollStats, SegmentMap
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.status import master_state, note_unmappable, note_unparsed
-from services.l3_poller.writer import L3Writer, MasterView
+from services.l3_poller.writer import L3Writer, L3Writes, MasterView
 
 logger = logging.getLogger(__name__)
+
+
+class L3Store(L3Writes, Protocol):
+    """The poller's role of :class:`common.store.Store`: its writer's, and the master list."""
+
+    def list_masters(self) -> dict[str, str]: ...
+
 
 ClientFactory = Callable[[str], MasterClient]
 _IN_FLIGHT = 2
@@ -302,7 +309,7 @@ class L3Poller:
     def __init__(
         self,
         cfg: L3PollerSettings,
-        store: Store,
+        store: L3Store,
         metrics: PollerMetrics,
         client_factory: ClientFactory | None = None,
         health: Health | None = None,

@@ -35,17 +35,37 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 
 from common.lifecycle import StateLog
-from common.store import Store
+from common.store import Instance
 from services.l3_poller.index import Blocks, canonical_ip
 from services.l3_poller.metrics import PollerMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class L3Writes(Protocol):
+    """The writer's role of :class:`common.store.Store`: the L3 sets and the master states."""
+
+    def list_instances(self) -> list[Instance]: ...
+
+    def replace_l3(
+        self,
+        ip: str,
+        hashes: Iterable[int] | Mapping[int, Iterable[int]],
+        state: dict[str, str] | None = None,
+        gen: int | None = None,
+    ) -> bool: ...
+
+    def touch_l3_state(self, ip: str, state: dict[str, str], gen: int) -> bool: ...
+    def set_master_state(self, url: str, state: dict[str, str]) -> None: ...
+    def drop_master_state(self, url: str) -> None: ...
+
 
 Part = tuple[str, int, bytes, "array[int]"]
 """What one master gives an instance in one KV-cache group: (url, group, digest, hashes)."""
@@ -75,7 +95,7 @@ class MasterView:
 
 
 class L3Writer:
-    def __init__(self, store: Store, scope: str, metrics: PollerMetrics) -> None:
+    def __init__(self, store: L3Writes, scope: str, metrics: PollerMetrics) -> None:
         self._store = store
         self._scope = scope
         self._metrics = metrics

@@ -12,7 +12,7 @@ Exit status: 0 decoded (even with skipped events), 1 not a KV-event batch, 2 bad
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import msgspec
 import json
 import os
 import sys
@@ -58,7 +58,7 @@ def render(batch: EventBatch) -> list[dict[str, Any]]:
     indexes = (i for i in range(len(batch.events) + len(skipped)) if i not in skipped)
     for index, event in zip(indexes, batch.events, strict=True):
         line: dict[str, Any] = {"index": index, "type": type(event).__name__}
-        line.update((f.name, getattr(event, f.name)) for f in dataclasses.fields(event))
+        line.update((f.name, getattr(event, f.name)) for f in msgspec.structs.fields(event))
         if isinstance(event, BlockStored | BlockRemoved):
             line["block_hashes_int"] = [hash_to_int(h) for h in event.block_hashes]
         if isinstance(event, BlockStored):

@@ -24,6 +24,7 @@ from services.l1_ingest.sharding import StaticAssigner, run_assignment
 from services.l1_ingest.subscriber import Subscriber
 from services.simulator.engine import SimulatedVLLM
 from tests.conftest import ROOT, wait_for
+from tests.store_oracle import OracleStore
 
 FAST = {
     "backoffInitial": "20ms",
@@ -57,7 +58,7 @@ class InProcessIngester:
     def __init__(
         self, client: redis.Redis, hash_settings: HashSettings | None = None, **overrides: str
     ) -> None:
-        self.store = Store(client)
+        self.store = OracleStore(client)
         self.metrics = IngestMetrics()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.subscriber = Subscriber(

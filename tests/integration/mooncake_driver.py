@@ -35,8 +35,9 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from common.blockhash import BlockHasher, HashSettings  # noqa: E402
-from common.store import Instance, Store  # noqa: E402
+from common.store import Instance  # noqa: E402
 from tests.conftest import RedisServer, reserve_port, wait_for  # noqa: E402
+from tests.store_oracle import OracleStore  # noqa: E402
 
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 BLOCK = 16
@@ -115,7 +116,7 @@ class Scenario:
 
     def start(self) -> None:
         self.redis = RedisServer().start()
-        self.store = Store(redis.Redis.from_url(self.redis.url))
+        self.store = OracleStore(redis.Redis.from_url(self.redis.url))
         rpc, admin = reserve_port(), reserve_port()
         self.master_url = f"http://127.0.0.1:{admin}"
         self.master = self._spawn(

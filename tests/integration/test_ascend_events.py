@@ -15,7 +15,6 @@ import pytest
 import redis
 
 from common.events import BlockStored, decode_batch
-from common.store import Store
 from services.l1_ingest.apply import plan_ops
 from services.simulator.ascend import ConnectorEvents
 from services.simulator.engine import SimulatedVLLM
@@ -28,6 +27,7 @@ from tests.integration.l1_support import (
     wait_quiet,
     warm_up,
 )
+from tests.store_oracle import OracleStore
 
 IP = "127.0.0.12"
 
@@ -90,7 +90,7 @@ def test_connector_events_follow_the_gpu_stores() -> None:
 def test_ascend_stream_indexes_gpu_in_l1_and_the_pool_in_l2(
     redis_client: redis.Redis, ascend_sim: Callable[[str], SimulatedVLLM], version: str
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = ascend_sim(version)
     ing = InProcessIngester(redis_client)
     try:

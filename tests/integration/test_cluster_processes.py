@@ -32,6 +32,7 @@ from services.simulator.workload import Workload
 from tests.conftest import ROOT, reserve_port, wait_for
 from tests.fake_master import FakeMaster
 from tests.redis_nodes import Cluster
+from tests.store_oracle import OracleStore
 
 BLOCK = 16
 MODEL = "Qwen2.5-0.5B-Instruct"
@@ -201,7 +202,7 @@ def test_every_process_on_a_cluster_survives_a_node_restart(
     api = reserve_port()
     client = connect(RedisConfig(url=cluster.url, cluster=True), retries=3)
     client.flushall()
-    store = Store(client)
+    store = OracleStore(client)
     try:
         config = tmp_path / "config.yaml"
         _write_config(config, cluster, api, fleet.ports, master)

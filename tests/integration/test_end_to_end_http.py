@@ -15,11 +15,11 @@ import httpx
 import redis
 import yaml
 
-from common.store import Store
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
 from tests.conftest import ROOT, RedisServer, reserve_port, wait_for
 from tests.integration.l1_support import wait_quiet
+from tests.store_oracle import OracleStore
 
 IP = "127.0.0.61"
 BLOCK = 16
@@ -87,7 +87,7 @@ def test_api_l1_ratios_equal_the_simulated_cache(
         )
         for name in ("discovery", "l1-ingest", "api"):
             _spawn(procs, subprocess_env, tmp_path / f"{name}.log", name, "--config", str(config))
-        store = Store(redis_client)
+        store = OracleStore(redis_client)
         wait_for(lambda: store.get_instance(IP), timeout=20, what="discovery to register")
         wait_for(
             lambda: httpx.get(f"http://127.0.0.1:{api}/readyz", timeout=1).status_code == 200,

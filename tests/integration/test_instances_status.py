@@ -20,7 +20,7 @@ from common import keys
 from common.blockhash import HashSettings
 from common.events import AllBlocksCleared, encode_batch
 from common.status_report import Limits, StatusReader, build_report
-from common.store import Instance, Store
+from common.store import Instance
 from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from tests.conftest import DATA, reserve_port, wait_for
@@ -30,6 +30,7 @@ from tests.integration.l1_support import (
     spawn_ingester,
     write_config,
 )
+from tests.store_oracle import OracleStore
 
 LIMITS = Limits(no_events_after=1.0, lease_ttl=1.0)
 
@@ -183,7 +184,7 @@ def test_dead_ingester_leaves_its_instance_unassigned(
 ) -> None:
     sim = make_sim()
     ip = "127.0.0.65"
-    register(Store(redis_client), ip, sim)
+    register(OracleStore(redis_client), ip, sim)
     config = write_config(tmp_path / "c.yaml", redis_server.url)
     proc = spawn_ingester(config, subprocess_env, "--id", "doomed")
     procs.append(proc)
@@ -207,7 +208,7 @@ def test_dead_ingester_leaves_its_instance_unassigned(
 
 
 def test_unknown_l3_keys_are_counted_with_a_sample(redis_client: redis.Redis) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     url = "http://127.0.0.70:9003"
     store.set_masters({url: json.dumps({"pod": "master-0"})})
     redis_client.hset(

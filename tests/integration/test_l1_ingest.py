@@ -16,7 +16,7 @@ import redis
 import zmq
 
 from common.events import AllBlocksCleared, BlockRemoved, BlockStored
-from common.store import Instance, Store
+from common.store import Instance
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.subscriber import Subscriber
 from services.simulator.cache_model import Request
@@ -33,6 +33,7 @@ from tests.integration.l1_support import (
     wait_quiet,
     warm_up,
 )
+from tests.store_oracle import OracleStore
 
 IP = "127.0.0.11"
 SimFactory = Callable[..., SimulatedVLLM]
@@ -88,7 +89,7 @@ def test_both_encodings_index_exactly(
     ingester: Callable[..., InProcessIngester],
     version: str,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim(version, replay=False, cpu_blocks=16)
     ing = ingester()
     register(store, IP, sim)
@@ -109,7 +110,7 @@ def test_both_encodings_index_exactly(
 def test_event_semantics_copies_media_groups_and_bad_input(
     redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim(replay=False)
     ing = ingester()
     register(store, IP, sim)
@@ -179,7 +180,7 @@ def test_gaps_are_filled_by_replay(
     ingester: Callable[..., InProcessIngester],
     version: str,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim(version)
     ing = ingester()
     register(store, IP, sim)
@@ -198,7 +199,7 @@ def test_unrecoverable_gaps_follow_the_policy(
     ingester: Callable[..., InProcessIngester],
     policy: str,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     # keep: replay exists but its buffer (2 batches) no longer holds the first lost one;
     # clear: no replay endpoint at all.
     sim = make_sim(replay=policy == "keep", buffer_steps=2)
@@ -228,7 +229,7 @@ def test_publisher_restart_drops_the_old_index(
     ingester: Callable[..., InProcessIngester],
     replay: bool,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim(replay=replay)
     ing = ingester()
     register(store, IP, sim)
@@ -257,7 +258,7 @@ def test_publisher_restart_drops_the_old_index(
 def test_dp_ranks_are_separate_streams(
     redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim(dp=2)
     ingester()
     register(store, IP, sim)
@@ -278,7 +279,7 @@ def test_dp_ranks_are_separate_streams(
 def test_registry_changes_take_effect_without_restart(
     redis_client: redis.Redis, make_sim: SimFactory, ingester: Callable[..., InProcessIngester]
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     first, second = make_sim(), make_sim()
     ing = ingester()
     register(store, IP, first)
@@ -322,7 +323,7 @@ def test_real_vllm_frames(
         vllm_version=(0, 28, 0),
         buffer_steps=int(cap["buffer_steps"]),
     )  # type: ignore[call-overload]
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     try:
         ing = ingester(topic=topic)
         store.upsert_instance(
@@ -395,7 +396,9 @@ def test_idle_subscriber_waits_instead_of_spinning(
 
     clock = _FakeClock()
     monkeypatch.setattr(subscriber_mod, "time", clock)
-    sub = Subscriber(Store(redis_client), l1_config(), IngestMetrics(), ctx=zmq.Context.instance())
+    sub = Subscriber(
+        OracleStore(redis_client), l1_config(), IngestMetrics(), ctx=zmq.Context.instance()
+    )
     rounds: list[int] = []
     for instances in ({}, {IP: Instance(ip=IP, uid="u", gen=1)}):  # the 2nd has no endpoint
         sub.set_instances(instances)
@@ -419,7 +422,7 @@ def test_unconnectable_replay_endpoint_applies_the_gap_policy(
     caplog: pytest.LogCaptureFixture,
     bad: str,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     broken, good = make_sim(replay=False), make_sim()
     ing = ingester()
     store.upsert_instance(
@@ -456,7 +459,7 @@ def test_vllm_restart_while_the_ingester_was_away(
 ) -> None:
     """The new vLLM published more batches than we had applied: the replay from our last
     sequence is not empty, but its batch there is not the one we applied."""
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim()
     ing = ingester()
     register(store, IP, sim)
@@ -483,7 +486,7 @@ def test_joining_a_trimmed_replay_buffer_is_an_unrecoverable_gap(
     ingester: Callable[..., InProcessIngester],
     policy: str,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = make_sim(buffer_steps=3)
     for h in range(1, 7):  # seqs 0..5 before anyone listens; replay keeps 3..5
         sim.emit([BlockStored([h], None, [h] * 16, 16, medium="GPU")])
@@ -512,7 +515,7 @@ def test_redis_outage_with_data_kept_converges(
     own_redis: tuple[RedisServer, redis.Redis], make_sim: SimFactory
 ) -> None:
     server, client = own_redis
-    store = Store(client)
+    store = OracleStore(client)
     sim = make_sim()
     ing = InProcessIngester(client)
     try:
@@ -541,7 +544,7 @@ def test_redis_data_loss_then_reregistration_converges(
     """Redis restarts empty while nothing is published (the ingester keeps its cursor) and
     discovery registers the instance again."""
     server, client = own_redis
-    store = Store(client)
+    store = OracleStore(client)
     sim = make_sim()
     ing = InProcessIngester(client)
     try:

@@ -16,7 +16,7 @@ import pytest
 import redis
 import zmq
 
-from common.store import Instance, Store, TierOps
+from common.store import Instance, TierOps
 from services.l1_ingest.sharding import rendezvous_owner
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
@@ -29,6 +29,7 @@ from tests.integration.l1_support import (
     warm_up,
     write_config,
 )
+from tests.store_oracle import OracleStore
 
 
 @pytest.fixture()
@@ -65,7 +66,7 @@ def test_sigkilled_ingester_restarts_without_losing_anything(
     procs: list[subprocess.Popen[bytes]],
     sims: Callable[..., SimulatedVLLM],
 ) -> None:
-    store, ip = Store(redis_client), "127.0.0.31"
+    store, ip = OracleStore(redis_client), "127.0.0.31"
     sim = sims(num_blocks=48)
     workload = Workload("mixed", prompts=10, prompt_len=80, block_size=16, seed=5)
     config = write_config(tmp_path / "c.yaml", redis_server.url)
@@ -101,7 +102,7 @@ def test_lease_handover_after_sigkill(
     procs: list[subprocess.Popen[bytes]],
     sims: Callable[..., SimulatedVLLM],
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     ids = ["ing-a", "ing-b"]
     ips = [f"127.0.0.{40 + i}" for i in range(12)]
     owners = {ip: rendezvous_owner(ip, ids) for ip in ips}
@@ -162,7 +163,7 @@ def test_end_to_end_prefix_lengths_match_the_simulator(
     procs: list[subprocess.Popen[bytes]],
     sims: Callable[..., SimulatedVLLM],
 ) -> None:
-    store, ip = Store(redis_client), "127.0.0.51"
+    store, ip = OracleStore(redis_client), "127.0.0.51"
     config = write_config(tmp_path / "c.yaml", redis_server.url)
     metrics_port = reserve_ports()
     procs.append(
@@ -211,7 +212,7 @@ def test_simulate_vllm_cli_state_file_matches_the_index(
     subprocess_env: dict[str, str],
     procs: list[subprocess.Popen[bytes]],
 ) -> None:
-    store, ip = Store(redis_client), "127.0.0.61"
+    store, ip = OracleStore(redis_client), "127.0.0.61"
     port, rport = reserve_ports(), reserve_ports()
     config = write_config(tmp_path / "c.yaml", redis_server.url)
     procs.append(

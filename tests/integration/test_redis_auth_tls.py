@@ -18,16 +18,17 @@ import yaml
 from common.config import Redis as RedisConfig
 from common.config import RedisTLS, load_config
 from common.redis_client import connect
-from common.store import Instance, Store, TierOps
+from common.store import Instance, TierOps
 from tests.conftest import ROOT, reserve_port, wait_for
 from tests.redis_nodes import Cluster, Node
+from tests.store_oracle import OracleStore
 
 PASSWORD = "s3cret-pw"
 
 
 def _exercise(client: redis.Redis | redis.RedisCluster) -> None:
     """The store's three kinds of access: scripts, pipelines, plain commands."""
-    store = Store(client)
+    store = OracleStore(client)
     ip = "10.3.0.1"
     _, gen = store.upsert_instance(Instance(ip=ip, uid="u"))
     ops = TierOps()

@@ -13,7 +13,6 @@ import redis
 
 from common.blockhash import BlockHasher
 from common.settings import ApiSettings
-from common.store import Store
 from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app
 from services.simulator.cache_model import Request
@@ -21,6 +20,7 @@ from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
 from tests.conftest import reserve_ports
 from tests.integration.l1_support import InProcessIngester, register, wait_quiet
+from tests.store_oracle import OracleStore
 
 IP = "127.0.0.71"
 
@@ -55,7 +55,7 @@ def test_the_index_answers_the_simulators_hybrid_truth(
     version: str,
     chunk: int,
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     sim = SimulatedVLLM(
         f"tcp://*:{reserve_ports()}",
         f"tcp://*:{reserve_ports()}",

@@ -14,6 +14,7 @@ from common.store import Store
 from tests.redis_nodes import Cluster
 from tests.unit.test_store import *  # noqa: F403 - the same suite, run here on a cluster
 from tests.unit.test_store_copies import *  # noqa: F403
+from tests.store_oracle import OracleStore
 
 
 class _AllNodesKeys(_Cluster):
@@ -35,5 +36,5 @@ def store(cluster: Cluster) -> Iterator[Store]:  # overrides the suites' fixture
     url, options = client_options(RedisConfig(url=cluster.url, cluster=True), retries=3)
     client = _AllNodesKeys.from_url(url, **options)
     client.flushall()
-    yield Store(client)
+    yield OracleStore(client)
     client.close()

@@ -19,6 +19,7 @@ from tests.conftest import require
 from tests.redis_nodes import Cluster, Node, valkey_server
 from tests.unit.test_store import *  # noqa: F403 - the same suite, run here on Valkey
 from tests.unit.test_store_copies import *  # noqa: F403
+from tests.store_oracle import OracleStore
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def valkey_node(valkey: str) -> Iterator[Node]:
 def store(valkey_node: Node) -> Iterator[Store]:  # overrides the suites' fixture
     client = redis.Redis.from_url(valkey_node.url)
     client.flushall()
-    yield Store(client)
+    yield OracleStore(client)
     client.close()
 
 

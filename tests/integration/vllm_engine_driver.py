@@ -42,9 +42,9 @@ import redis  # noqa: E402
 import yaml  # noqa: E402
 
 from common.blockhash import BlockHasher, HashSettings  # noqa: E402
-from common.store import Store  # noqa: E402
 from tests.conftest import Node, RedisServer, child_env, reserve_port, wait_for  # noqa: E402
 from tests.integration import vllm_engine as ve  # noqa: E402
+from tests.store_oracle import OracleStore  # noqa: E402
 
 IP = "127.0.0.2"
 L3_POLL_MS = 200
@@ -94,7 +94,7 @@ class Run:
         self.tmp.mkdir(parents=True)
         self.spec = ve.MODELS[name]
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.store = Store(redis.Redis.from_url(redis_url))
+        self.store = OracleStore(redis.Redis.from_url(redis_url))
         self.engine_port, self.pub, self.replay = reserve_port(), reserve_port(), reserve_port()
         self.api, self.l3_metrics = reserve_port(), reserve_port()
         self.master_rpc, self.master_admin = reserve_port(), reserve_port()

@@ -15,11 +15,11 @@ from common.config import Config, load_config
 from common.lifecycle import Backoff
 from common.settings import DiscoverySettings
 from common.metrics import Registry
-from common.store import Store
 from services.discovery.main import build_source
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Reconciler, Source, run
 from tests.fake_kube import make_pod
+from tests.store_oracle import OracleStore
 
 ENGINE = {"openfuyao.com/engine": "vllm", "openfuyao.com/pdRole": "prefill"}
 MASTER = {"openfuyao.com/kvmanager": "mooncake"}
@@ -69,7 +69,7 @@ class RunningDiscovery:
         self.client = redis.Redis.from_url(
             cfg.redis.url, socket_timeout=1, socket_connect_timeout=1
         )
-        self.store = Store(self.client)
+        self.store = OracleStore(self.client)
         self.holder = f"test-holder-{next(_ids)}"
         d = DiscoverySettings.from_config(cfg)
         self.reconciler = Reconciler(self.store, self.holder, d.lease_ttl, self.metrics)

@@ -20,6 +20,7 @@ from common.store import Instance, L1Status, Store, TierOps
 from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app, redis_client
 from tests.conftest import reserve_port
+from tests.store_oracle import OracleStore
 
 PATH = "/kv-cache/instances"
 URL = "http://10.0.0.90:9003"
@@ -191,7 +192,7 @@ class _Counting(redis.Redis):
 
 
 def test_one_round_trip_once_the_registry_is_known(redis_client: redis.Redis) -> None:
-    populate(Store(redis_client))
+    populate(OracleStore(redis_client))
     counting = _Counting(connection_pool=redis_client.connection_pool)
     reader = StatusReader(counting)
     first = build_report(reader.read(), Limits())
@@ -203,7 +204,7 @@ def test_one_round_trip_once_the_registry_is_known(redis_client: redis.Redis) ->
     ]
     assert again["masters"][0]["keys"] == 10
     assert _Counting.trips == 1
-    Store(redis_client).remove_instance("10.0.0.6")
+    OracleStore(redis_client).remove_instance("10.0.0.6")
     _Counting.trips = 0
     assert [i["server_ip"] for i in build_report(reader.read(), Limits())["instances"]] == [
         "10.0.0.5"
@@ -212,7 +213,7 @@ def test_one_round_trip_once_the_registry_is_known(redis_client: redis.Redis) ->
 
 
 def test_redis_down_is_a_500_and_metrics_still_answer() -> None:
-    client = _client(Store(redis_client(Redis(url=f"redis://127.0.0.1:{reserve_port()}/0"))))
+    client = _client(OracleStore(redis_client(Redis(url=f"redis://127.0.0.1:{reserve_port()}/0"))))
     result = client.simulate_get(PATH)
     assert result.status_code == 500
     assert orjson.loads(result.content) == {

@@ -1,9 +1,10 @@
 """The API worker's per-connection limits, one at a time, on the real worker loop in-process.
 
-:class:`services.api.worker.DeadlineWorker` runs here as gunicorn runs it in a worker process
-(its ``run`` loop, selector, thread pool), on a loopback listener, configured by the API's own
-``gunicorn_settings`` from :class:`~common.settings.ApiSettings`, serving a small WSGI app that
-echoes the body length. The integration tests (``tests/integration/test_api_slow_clients.py``)
+:class:`services.api.transport.worker.DeadlineWorker` runs here as gunicorn runs it in a
+worker process (its ``run`` loop, selector, thread pool), on a loopback listener, configured
+by the API's own ``gunicorn_settings`` from :class:`~common.settings.ApiSettings`, serving a
+small WSGI app that echoes the body length. The integration tests
+(``tests/integration/test_api_slow_clients.py``)
 check outcomes with limits close together over a real gunicorn; here each test makes the limit
 under test orders of magnitude apart from the others and polls, so a deadline armed from the
 wrong limit, or the wrong connection shed, fails instead of passing on the outcome alone.
@@ -23,7 +24,7 @@ import pytest
 from gunicorn.config import Config
 
 from common.settings import ApiSettings
-from services.api.deadlines import BUDGET_BODIES
+from services.api.transport.deadlines import BUDGET_BODIES
 from services.api.gunicorn_conf import gunicorn_settings
 from tests.conftest import reserve_port, wait_for
 

@@ -27,6 +27,7 @@ from tests.services.discovery_support import (
     vllm_pod,
     write_config,
 )
+from tests.store_oracle import OracleStore
 
 Start = Callable[..., RunningDiscovery]
 
@@ -40,7 +41,7 @@ def kube() -> Iterator[FakeKube]:
 
 @pytest.fixture()
 def store(redis_client: redis.Redis) -> Store:
-    return Store(redis_client)
+    return OracleStore(redis_client)
 
 
 @pytest.fixture()
@@ -325,14 +326,14 @@ def test_redis_outage_is_retried(kube: FakeKube, start: Start, tmp_path: Path) -
         kube.add_pod(vllm_pod("a", "10.0.0.1"))
         d = start(redis_url=own.url)
         client = redis.Redis.from_url(own.url)
-        wait_for(lambda: Store(client).instance_ips() == {"10.0.0.1"}, what="a")
+        wait_for(lambda: OracleStore(client).instance_ips() == {"10.0.0.1"}, what="a")
         own.stop()
         kube.add_pod(vllm_pod("b", "10.0.0.2"))
         wait_for(lambda: d.count("errors", kind="redis") >= 2, what="redis errors")
         own = RedisServer(own.port).start()  # empty again: discovery must rebuild it all
         client = redis.Redis.from_url(own.url)
         wait_for(
-            lambda: Store(client).instance_ips() == {"10.0.0.1", "10.0.0.2"},
+            lambda: OracleStore(client).instance_ips() == {"10.0.0.1", "10.0.0.2"},
             what="the registry rebuilt after the outage",
         )
         assert d.count("lease_held") == 1

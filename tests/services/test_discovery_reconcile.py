@@ -10,14 +10,15 @@ from redis.retry import Retry
 
 from common import keys
 from common.metrics import Registry
-from common.store import Instance, Store
+from common.store import Instance
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Desired, Reconciler
 from tests.conftest import reserve_port, wait_for
+from tests.store_oracle import OracleStore
 
 
 def _reconciler(client: redis.Redis, holder: str, ttl: float = 5.0) -> Reconciler:
-    return Reconciler(Store(client), holder, ttl, DiscoveryMetrics.register(Registry()))
+    return Reconciler(OracleStore(client), holder, ttl, DiscoveryMetrics.register(Registry()))
 
 
 def _inst(ip: str, uid: str = "u1", **kw: object) -> Instance:

@@ -12,10 +12,11 @@ import redis
 
 from common.config import load_config
 from common.settings import DiscoverySettings
-from common.store import Store, TierOps
+from common.store import TierOps
 from services.discovery.static import StaticSource
 from tests.conftest import RedisServer, wait_for
 from tests.services.discovery_support import RunningDiscovery, write_config
+from tests.store_oracle import OracleStore
 
 
 def _entry(ip: str, port: int = 5557, **kw: Any) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def _start(static_file: StaticFile, running: list[RunningDiscovery]) -> RunningD
 def test_static_entries_reload_add_change_remove(
     static_file: StaticFile, running: list[RunningDiscovery], redis_client: redis.Redis
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     static_file.write(
         [_entry("127.0.0.1", name="a", role="prefill"), _entry("127.0.0.2")],
         [{"url": "http://127.0.0.1:9003", "name": "mc"}],
@@ -134,7 +135,7 @@ def test_static_entries_reload_add_change_remove(
 def test_invalid_file_keeps_the_last_good_lists(
     static_file: StaticFile, running: list[RunningDiscovery], redis_client: redis.Redis
 ) -> None:
-    store = Store(redis_client)
+    store = OracleStore(redis_client)
     static_file.write([_entry("127.0.0.1")])
     d = _start(static_file, running)
     wait_for(lambda: store.instance_ips() == {"127.0.0.1"}, what="a")

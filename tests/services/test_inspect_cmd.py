@@ -12,10 +12,10 @@ from pathlib import Path
 import orjson
 import redis
 
-from common.store import Store
 from services.tools import inspect_cmd
 from tests.conftest import ROOT, RedisServer, reserve_port
 from tests.services.test_api_instances import URL, populate
+from tests.store_oracle import OracleStore
 
 
 def _config(tmp_path: Path, url: str) -> str:
@@ -27,7 +27,7 @@ def _config(tmp_path: Path, url: str) -> str:
 def test_json_is_the_api_document(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    populate(Store(redis_client))
+    populate(OracleStore(redis_client))
     out = io.StringIO()
     assert inspect_cmd.main(["--config", _config(tmp_path, redis_server.url), "--json"], out) == 0
     doc = orjson.loads(out.getvalue())
@@ -39,7 +39,7 @@ def test_json_is_the_api_document(
 def test_table_has_one_line_per_instance_and_master(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    populate(Store(redis_client))
+    populate(OracleStore(redis_client))
     out = io.StringIO()
     assert inspect_cmd.main(["--config", _config(tmp_path, redis_server.url)], out) == 0
     lines = out.getvalue().splitlines()
@@ -56,7 +56,7 @@ def test_table_has_one_line_per_instance_and_master(
 def test_problems_are_coloured_on_a_terminal(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    populate(Store(redis_client))
+    populate(OracleStore(redis_client))
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
     env["PYTHONPATH"] = str(ROOT)

@@ -27,6 +27,7 @@ from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
 from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
 from tests.services.vllm_replay import FakePublisher
+from tests.store_oracle import OracleStore
 
 
 @pytest.fixture(name="rig")
@@ -125,7 +126,7 @@ def test_a_quiet_instance_notices_a_lost_write_and_re_syncs(redis_client: redis.
     cursor go back, the rank re-syncs through replay, and the state says ``resyncing``
     while it does (the replay is held back to observe it)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    store, port = Store(redis_client), reserve_ports(2)
+    store, port = OracleStore(redis_client), reserve_ports(2)
     pub = FakePublisher(ctx, port + 1, pub_port=port)
     store.upsert_instance(
         Instance(

@@ -19,6 +19,7 @@ from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.stream import RankStream
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_port, wait_for
+from tests.store_oracle import OracleStore
 
 IP = "10.1.2.3"
 
@@ -71,7 +72,7 @@ def test_the_subscriber_drops_a_fenced_instance_and_resubscribes(
 ) -> None:
     """The lease is taken away mid-stream: the refused write ends the session (logged as a
     refused write, not as a loop error), and once the lease is back the stream resumes."""
-    store, port, seq = Store(redis_client), reserve_port(), itertools.count()
+    store, port, seq = OracleStore(redis_client), reserve_port(), itertools.count()
     store.upsert_instance(Instance(ip=IP, uid="u", zmq_endpoint=f"tcp://127.0.0.1:{port}"))
     assert store.claim_instance(IP, "me", 60_000)
     pub = zmq.Context.instance().socket(zmq.PUB)

@@ -17,13 +17,14 @@ import zmq
 
 from common.settings import L1IngestSettings
 from common.status_report import ConnState, Limits, StatusReader, build_report
-from common.store import Instance, Store
+from common.store import Instance
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.status import ConnRound, StatusBoard
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
 from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
 from tests.services.vllm_replay import FakePublisher
+from tests.store_oracle import OracleStore
 
 
 @pytest.fixture(name="rig")
@@ -128,7 +129,7 @@ def test_a_restarted_publisher_is_recognised_within_seconds_whatever_backoff_max
     8 s, so the new lifetime would wait up to 8 s more to be seen; the capped interval
     reconnects within 2 s. The time it took is printed (not asserted beyond a deadline)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    store, port = Store(redis_client), reserve_ports(2)
+    store, port = OracleStore(redis_client), reserve_ports(2)
     pub = FakePublisher(ctx, port + 1, pub_port=port)
     store.upsert_instance(
         Instance(

@@ -31,6 +31,7 @@ from services.l1_ingest.stream import RankStream
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
 from tests.services.vllm_replay import FakePublisher
+from tests.store_oracle import OracleStore
 
 IP = "10.7.0.1"
 LONG = 30.0
@@ -107,7 +108,7 @@ def rig(redis_client: redis.Redis) -> Iterator[Rig]:
 def make_rig(redis_client: redis.Redis) -> Iterator[Rig]:
     """The ``rig`` fixture's body (other modules' fixtures yield from it)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    r = Rig(Store(redis_client), ctx, reserve_ports(2))
+    r = Rig(OracleStore(redis_client), ctx, reserve_ports(2))
     yield r
     for s in r.streams:
         s.close()
@@ -488,7 +489,7 @@ def test_the_subscriber_follows_a_publisher_through_a_restart_on_the_live_stream
     """PUB + ROUTER, the subscriber's own poll loop (run from this thread): catch-up at
     connect, live batches, then a restart seen on the live stream at k > 0."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    store, port = Store(redis_client), reserve_ports(2)
+    store, port = OracleStore(redis_client), reserve_ports(2)
     pub = FakePublisher(ctx, port + 1, pub_port=port)
     store.upsert_instance(
         Instance(

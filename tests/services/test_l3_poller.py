@@ -16,13 +16,14 @@ import redis
 from common import keys
 from common.blockhash import BlockHasher, HashSettings
 from common.settings import L3PollerSettings
-from common.store import Instance, Store
+from common.store import Instance
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller import client as client_mod
 from services.l3_poller import poller as poller_mod
 from services.l3_poller.poller import L3Poller
 from tests.conftest import reserve_port, wait_for
 from tests.fake_master import FakeMaster
+from tests.store_oracle import OracleStore
 
 HASHER = BlockHasher(HashSettings())
 TOKENS = list(range(100, 100 + 16 * 8))
@@ -49,7 +50,7 @@ def l3cfg(**kw: object) -> L3PollerSettings:
 
 class Harness:
     def __init__(self, client: redis.Redis, cfg: L3PollerSettings) -> None:
-        self.store = Store(client)
+        self.store = OracleStore(client)
         self.metrics = PollerMetrics.register()
         self.poller = L3Poller(cfg, self.store, self.metrics)
         self.stop = threading.Event()
@@ -357,7 +358,7 @@ def test_command_exposes_metrics(
     redis_server: object, master: FakeMaster, tmp_path: object, subprocess_env: dict[str, str]
 ) -> None:
     url = redis_server.url  # type: ignore[attr-defined]
-    store = Store(redis.Redis.from_url(url))
+    store = OracleStore(redis.Redis.from_url(url))
     store.r.flushall()
     populate(master)
     store.upsert_instance(Instance(ip=POD_A, uid="a"))

@@ -12,16 +12,17 @@ import pytest
 import redis
 
 from common import keys
-from common.store import Instance, Store
+from common.store import Instance
 from services.l3_poller.index import Blocks
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.writer import L3Writer, MasterView
+from tests.store_oracle import OracleStore
 
 POD_A, POD_B = "10.0.0.1", "10.0.0.2"
 MASTER = "http://m:9003"
 
 
-class CountingStore(Store):
+class CountingStore(OracleStore):
     """A real store that counts set replacements and can be made to fail them."""
 
     def __init__(self, client: redis.Redis) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 
 from common.errors import DecodeError
@@ -99,8 +99,10 @@ def test_zmq_capture_replayed_payloads_equal_the_live_ones() -> None:
 
 
 def test_dataclasses_declare_the_wire_field_order() -> None:
-    assert [f.name for f in dataclasses.fields(BlockStored)] == [n for n, _, _ in STORED_FIELDS]
-    assert [f.name for f in dataclasses.fields(BlockRemoved)] == [n for n, _, _ in REMOVED_FIELDS]
+    assert [f.name for f in msgspec.structs.fields(BlockStored)] == [n for n, _, _ in STORED_FIELDS]
+    assert [f.name for f in msgspec.structs.fields(BlockRemoved)] == [
+        n for n, _, _ in REMOVED_FIELDS
+    ]
 
 
 # -- per-version layout ---------------------------------------------------------------
@@ -144,8 +146,8 @@ FIELD_COUNTS = {
 
 def _truncated(event: Event, n_fields: int) -> Event:
     """``event`` with the fields a release does not declare reset to None."""
-    names = [f.name for f in dataclasses.fields(event)][n_fields:]
-    reset: Any = dataclasses.replace
+    names = [f.name for f in msgspec.structs.fields(event)][n_fields:]
+    reset: Any = msgspec.structs.replace
     return reset(event, **dict.fromkeys(names))  # type: ignore[no-any-return]
 
 
@@ -164,7 +166,7 @@ def test_each_release_field_set_round_trips(version: tuple[int, int, int]) -> No
             ["AllBlocksCleared"],
         )
     else:  # every field is set, so every declared key is written
-        names = [f.name for f in dataclasses.fields(BlockStored)]
+        names = [f.name for f in msgspec.structs.fields(BlockStored)]
         assert list(stored) == ["type", *names[:n_stored]]
         assert len(removed) == 1 + n_removed and cleared == {"type": "AllBlocksCleared"}
     batch = decode_batch(payload)

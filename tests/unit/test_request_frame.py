@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.api.request_frame import RequestFrame
+from services.api.transport.request_frame import RequestFrame
 
 HEAD = b"POST /kv-cache/hit-rate?x=1 HTTP/1.1\r\nHost: a\r\n"
 

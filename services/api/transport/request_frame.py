@@ -1,6 +1,6 @@
 """Where one HTTP/1.x request ends in a growing byte buffer, without parsing it for real.
 
-The API's worker (:mod:`services.api.worker`) reads every request whole in its selector
+The worker (:mod:`services.api.transport.worker`) reads every request whole in its selector
 thread before a pool thread sees it, so it must know when "whole" is reached: the header
 block (up to the empty line), then ``Content-Length`` bytes or a chunked body up to its
 last chunk and trailers. :class:`RequestFrame` answers that incrementally as bytes arrive.

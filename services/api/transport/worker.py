@@ -4,7 +4,7 @@ Stock ``gthread`` hands a connection to a pool thread as soon as its first bytes
 thread then blocks reading the rest, with no deadline. A few clients that stall mid-headers
 or mid-body therefore hold every thread, and nothing ever closes them. Here the selector
 thread (the worker's main loop) reads each request itself, non-blocking, until
-:class:`~services.api.request_frame.RequestFrame` says it is complete, and only then
+:class:`~services.api.transport.request_frame.RequestFrame` says it is complete, and only then
 submits it to the pool, where gunicorn's parser reads it from memory. A stalled connection
 costs a socket and its buffered bytes, never a thread.
 
@@ -18,14 +18,14 @@ Deadlines, as Go's ``http.Server`` applies the original's keys (:class:`Limits`)
   connection is closed;
 - ``idleTimeout`` — a kept-alive connection waiting for its next request.
 
-A connection past a read deadline with part of a request gets a 408 (JSON, in the
-contract's shape on the hit-rate path) and is closed; one that sent nothing, or sat idle,
-is just closed. Closing after a response lingers in the selector (half-close, drain at
-most 64 KiB for 2 s) instead of blocking the loop as stock gthread does. Bodies larger than
-``http.maxHitRateBodyBytes`` are not buffered: the request is dispatched after its headers
-(so the app answers 413 without reading it) and the connection is closed afterwards; and
-when a worker's unfinished requests hold more than :attr:`Limits.buffer_budget` bytes, the
-largest are answered 503 and closed.
+A connection past a read deadline with part of a request gets a 408 (its JSON body from
+:attr:`DeadlineWorker.error_body`, which the API sets to its own error shape) and is closed;
+one that sent nothing, or sat idle, is just closed. Closing after a response lingers in the
+selector (half-close, drain at most 64 KiB for 2 s) instead of blocking the loop as stock
+gthread does. Bodies larger than ``http.maxHitRateBodyBytes`` are not buffered: the request
+is dispatched after its headers (so the app answers 413 without reading it) and the
+connection is closed afterwards; and when a worker's unfinished requests hold more than
+:attr:`Limits.buffer_budget` bytes, the largest are answered 503 and closed.
 """
 
 from __future__ import annotations
@@ -45,9 +45,15 @@ from typing import Any, ClassVar
 from gunicorn import http
 from gunicorn.workers.gthread import ThreadWorker
 
-from services.api.connection import CLOSED, HANDLING, IDLE, LINGERING, READING, Conn
-from services.api.deadlines import Limits, busy_response, timeout_response
-from services.api.request_frame import RequestFrame
+from services.api.transport.connection import CLOSED, HANDLING, IDLE, LINGERING, READING, Conn
+from services.api.transport.deadlines import (
+    ErrorBody,
+    Limits,
+    busy_response,
+    plain_error_body,
+    timeout_response,
+)
+from services.api.transport.request_frame import RequestFrame
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,7 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
     """gthread with whole-request reads in the selector thread (see the module docstring)."""
 
     limits: ClassVar[Limits] = Limits()
+    error_body: ClassVar[ErrorBody] = staticmethod(plain_error_body)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,7 +162,9 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
         frame = conn.frame
         done = bool(frame and frame.headers_done)
         logger.debug("closing %s: the request did not arrive in time", conn.client)
-        self._answer_and_close(conn, timeout_response(frame.path if frame else "", done))
+        self._answer_and_close(
+            conn, timeout_response(frame.path if frame else "", done, type(self).error_body)
+        )
 
     def _shed(self) -> None:
         """Over the buffer budget: drop the unfinished requests holding the most bytes."""
@@ -168,7 +177,9 @@ class DeadlineWorker(ThreadWorker):  # type: ignore[misc]
                 conn.client,
                 self._buffered,
             )
-            self._answer_and_close(conn, busy_response(conn.frame.path if conn.frame else ""))
+            self._answer_and_close(
+                conn, busy_response(conn.frame.path if conn.frame else "", type(self).error_body)
+            )
 
     def _answer_and_close(self, conn: Conn, response: bytes) -> None:
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 from gunicorn.workers.gthread import TConn
 
-from services.api.request_frame import RequestFrame
+from services.api.transport.request_frame import RequestFrame
 
 READING, HANDLING, IDLE, LINGERING, CLOSED = range(5)  # Conn.state
 

@@ -1,12 +1,18 @@
-"""The API worker's per-connection limits (the original's Go ``http.Server`` keys) and the
-answers it sends on its own when a limit is hit (408, 503), in the API's JSON error shape."""
+"""The worker's per-connection limits (the original's Go ``http.Server`` keys) and the
+answers it sends on its own when a limit is hit (408, 503). Their JSON body comes from the
+application (:data:`ErrorBody`, set on the worker class), so a 408 on the hit-rate path has
+the same shape as the app's own errors there; this package never imports the routes."""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
-from services.api import hit_rate
+ErrorBody: TypeAlias = Callable[[str, int, str], bytes]
+"""``(path, status, message) -> JSON body`` of an error answer."""
 
 BUDGET_BODIES = 16
 """A worker buffers at most this many maximum-size bodies' worth of unfinished requests."""
@@ -45,25 +51,28 @@ class Limits:
         )
 
 
-def timeout_response(path: str, headers_done: bool) -> bytes:
+def plain_error_body(path: str, status: int, message: str) -> bytes:
+    """``{"message", "status"}``: the body when the application sets none."""
+    return json.dumps({"message": message, "status": status}).encode()
+
+
+def timeout_response(path: str, headers_done: bool, error_body: ErrorBody) -> bytes:
     """The 408 for a request that did not arrive in time."""
     message = (
         "the request was not received within http.readTimeout"
         if headers_done
         else "the request headers were not received within http.readHeaderTimeout"
     )
-    return _response(path, 408, "Request Timeout", message)
+    return _response(error_body(path, 408, message), 408, "Request Timeout")
 
 
-def busy_response(path: str) -> bytes:
+def busy_response(path: str, error_body: ErrorBody) -> bytes:
     """The 503 for a request dropped because too many unfinished requests are buffered."""
-    return _response(
-        path, 503, "Service Unavailable", "too many unfinished requests are being received; retry"
-    )
+    message = "too many unfinished requests are being received; retry"
+    return _response(error_body(path, 503, message), 503, "Service Unavailable")
 
 
-def _response(path: str, status: int, reason: str, message: str) -> bytes:
-    body = hit_rate.error_body(path, status, message)
+def _response(body: bytes, status: int, reason: str) -> bytes:
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
