@@ -150,6 +150,8 @@ def scenario_run(scenario: str, tmp: Path, server: Node) -> dict[str, Any]:
     old, fresh = prompts[:4], prompts[4:]
     try:
         run.start()
+        if scenario in NO_REPLAY:
+            run.wait_reconnected()  # without replay a batch sent before that is lost
         first = run.run(old)  # the first lifetime: a few batches
         held = [p for p in old if run.l1_tokens(p) > 0]
         ingester = run.ingester_proc()
