@@ -28,6 +28,18 @@ import yaml
 
 from common.errors import ConfigError
 
+# Every allowed choice of the config file, written once: the loader checks a value against its
+# field's Literal (``_convert``), the settings and the chart's values.schema.json read the same
+# aliases (scripts/make_values_schema.py).
+LogLevel = typing.Literal["debug", "info", "warn", "warning", "error"]
+LogFormat = typing.Literal["text", "json"]
+HashAlgo = typing.Literal["sha256_cbor", "sha256"]
+DiscoveryMode = typing.Literal["kubernetes", "static"]
+GapPolicy = typing.Literal["keep", "clear"]
+ShardMode = typing.Literal["lease", "static"]
+Scheme = typing.Literal["http", "https"]
+L3Scope = typing.Literal["segment", "pool"]
+
 
 class Duration(float):
     """Seconds, parsed from a Go duration string."""
@@ -77,14 +89,14 @@ class HTTP:
 
 @dataclass
 class Log:
-    level: str = "info"
-    format: str = "text"
+    level: LogLevel = "info"
+    format: LogFormat = "text"
 
 
 @dataclass
 class BlockKey:
     python_hash_seed: str | None = "0"
-    prefix_caching_hash_algo: str = "sha256_cbor"
+    prefix_caching_hash_algo: HashAlgo = "sha256_cbor"
     use_int_block_hashes: bool = True
     vllm_version: str = "0.28.0"
 
@@ -168,7 +180,7 @@ class Static:
 
 @dataclass
 class Discovery:
-    mode: str = "kubernetes"
+    mode: DiscoveryMode = "kubernetes"
     namespace: str = ""
     kubeconfig: str = ""
     refresh_interval: Duration = _f(Duration(10))
@@ -185,8 +197,8 @@ class IngestL1:
     backoff_initial: Duration = _f(Duration(1))
     backoff_max: Duration = _f(Duration(30))
     topic: str = ""
-    on_unrecoverable_gap: str = "keep"
-    shard_mode: str = "lease"
+    on_unrecoverable_gap: GapPolicy = "keep"
+    shard_mode: ShardMode = "lease"
     lease_ttl: Duration = _f(Duration(5), "leaseTTL")
     heartbeat_interval: Duration = _f(Duration(1))
     replay_timeout: Duration = _f(Duration(5))
@@ -222,10 +234,10 @@ class L3Model:
 
 @dataclass
 class IngestL3:
-    scheme: str = "http"
+    scheme: Scheme = "http"
     poll_interval: Duration = _f(Duration(10))
     http_timeout: Duration = _f(Duration(5))
-    scope: str = "segment"
+    scope: L3Scope = "segment"
     stale_after: Duration = _f(Duration(60))
     batch_size: int = 200
     key_formats: list[str] = _f(lambda: list(KEY_FORMATS))
@@ -256,18 +268,6 @@ class Config:
     metrics: Metrics = _f(Metrics)
 
 
-_CHOICES = {
-    "log.level": {"debug", "info", "warn", "warning", "error"},
-    "log.format": {"text", "json"},
-    "blockKey.prefixCachingHashAlgo": {"sha256_cbor", "sha256"},
-    "discovery.mode": {"kubernetes", "static"},
-    "ingest.l1.onUnrecoverableGap": {"keep", "clear"},
-    "ingest.l1.shardMode": {"lease", "static"},
-    "ingest.l3.scheme": {"http", "https"},
-    "ingest.l3.scope": {"segment", "pool"},
-}
-
-
 def _yaml_name(f: dataclasses.Field[Any]) -> str:
     if "yaml" in f.metadata:
         return str(f.metadata["yaml"])
@@ -284,6 +284,8 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, problems)
+    if origin is typing.Literal:
+        return _choice(tp, value, path)
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -291,11 +293,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             return []
         return [_convert(item, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
     if tp is Duration:
-        try:
-            return parse_duration(str(value)) if isinstance(value, str) else _bad(path, value)
-        except ValueError as exc:
-            problems.append(f"{path}: {exc}")
-            return Duration(0)
+        return _duration(value, path, problems)
     if tp is bool:
         return value if isinstance(value, bool) else _bad(path, value, "true or false")
     if tp is int:
@@ -309,6 +307,48 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
 
 class _Bad(Exception):
     pass
+
+
+def _duration(value: Any, path: str, problems: list[str]) -> Duration:
+    try:
+        return parse_duration(str(value)) if isinstance(value, str) else _bad(path, value)
+    except ValueError as exc:
+        problems.append(f"{path}: {exc}")
+        return Duration(0)
+
+
+def choices(tp: Any) -> list[str]:
+    """The allowed values of a choice field's ``Literal`` type, in their written order."""
+    return [str(a) for a in typing.get_args(tp)]
+
+
+def choice_keys(cls: Any = None, prefix: str = "") -> dict[str, list[str]]:
+    """Every choice key of the file (dotted YAML path, e.g. ``ingest.l3.scope``) with its
+    allowed values, read from the dataclasses' ``Literal`` fields."""
+    found: dict[str, list[str]] = {}
+    hints = typing.get_type_hints(Config if cls is None else cls)
+    for f in dataclasses.fields(Config if cls is None else cls):
+        path, tp = prefix + _yaml_name(f), hints[f.name]
+        if typing.get_origin(tp) is typing.Literal:
+            found[path] = choices(tp)
+        elif dataclasses.is_dataclass(tp):
+            found.update(choice_keys(tp, path + "."))
+    return found
+
+
+def _env_choice(tp: Any, path: str, value: str, problems: list[str]) -> Any:
+    try:
+        return _choice(tp, value, path)
+    except _Bad as exc:
+        problems.append(str(exc))
+        return value
+
+
+def _choice(tp: Any, value: Any, path: str) -> Any:
+    allowed = choices(tp)
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise _Bad(f"{path}: {value!r} is not one of {sorted(allowed)}")
 
 
 def _bad(path: str, value: Any, expected: str = "a Go duration string like 10s") -> Any:
@@ -357,13 +397,6 @@ def _check_token_counts(cfg: Config, problems: list[str]) -> None:
 
 
 def _check_values(cfg: Config, problems: list[str]) -> None:
-    for dotted, allowed in _CHOICES.items():
-        obj: Any = cfg
-        for part in dotted.split("."):
-            by_yaml = {_yaml_name(f): f.name for f in dataclasses.fields(obj)}
-            obj = getattr(obj, by_yaml[part])
-        if obj not in allowed:
-            problems.append(f"{dotted}: {obj!r} is not one of {sorted(allowed)}")
     for dotted, value in (
         ("http.maxHitRateBodyBytes", cfg.http.max_hit_rate_body_bytes),
         ("http.maxHeaderBytes", cfg.http.max_header_bytes),
@@ -477,7 +510,7 @@ def load_config(
     if not cfg.discovery.namespace and env.get("POD_NAMESPACE"):
         cfg.discovery.namespace = env["POD_NAMESPACE"]
     if env.get("LOG_LEVEL"):
-        cfg.log.level = env["LOG_LEVEL"].lower()
+        cfg.log.level = _env_choice(LogLevel, "log.level", env["LOG_LEVEL"].lower(), problems)
     _check_values(cfg, problems)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

@@ -26,28 +26,33 @@ the event decoder reads both hash forms. Nested sections passed through unchange
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
 
 from common.blockhash import HashSettings
 from common.config import (
+    HTTP,
     KEY_FORMATS,
     Config,
+    DiscoveryMode,
     DiscoveryVLLM,
+    GapPolicy,
+    IngestL1,
+    IngestL3,
     L1Model,
     L3Model,
+    L3Scope,
     Labels,
     MooncakeMaster,
     Redis,
+    Scheme,
+    ShardMode,
     Static,
     model_basename,
 )
 from common.status_report import Limits
 
-DiscoveryMode = Literal["kubernetes", "static"]
-GapPolicy = Literal["keep", "clear"]
-ShardMode = Literal["lease", "static"]
-L3Scope = Literal["segment", "pool"]
-Scheme = Literal["http", "https"]
+# The settings' defaults are the config file's (common.config writes each once); they serve
+# code that builds settings without a file: tests, benchmarks and the simulator's tools.
+_HTTP, _L1, _L3, _DISCOVERY = HTTP(), IngestL1(), IngestL3(), Config().discovery
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class DiscoverySettings:
     def from_config(cls, cfg: Config) -> DiscoverySettings:
         d, l1 = cfg.discovery, cfg.ingest.l1
         return cls(
-            mode=cast(DiscoveryMode, d.mode),
+            mode=d.mode,
             namespace=d.namespace,
             kubeconfig=d.kubeconfig,
             refresh_interval=float(d.refresh_interval),
@@ -108,7 +113,7 @@ class DiscoverySettings:
             static=d.static,
             backoff_initial=float(l1.backoff_initial),
             backoff_max=float(l1.backoff_max),
-            master_scheme=cast(Scheme, cfg.ingest.l3.scheme),
+            master_scheme=cfg.ingest.l3.scheme,
         )
 
 
@@ -116,22 +121,21 @@ class DiscoverySettings:
 class L1IngestSettings:
     """An L1 ingester's settings (``ingest.l1``)."""
 
-    topic: str = ""
-    on_unrecoverable_gap: GapPolicy = "keep"
-    shard_mode: ShardMode = "lease"
-    lease_ttl: float = 5.0
-    heartbeat_interval: float = 1.0
-    replay_timeout: float = 5.0
-    backoff_initial: float = 1.0
-    backoff_max: float = 30.0
-    hash_check_rate: int = 100
+    topic: str = _L1.topic
+    on_unrecoverable_gap: GapPolicy = _L1.on_unrecoverable_gap
+    shard_mode: ShardMode = _L1.shard_mode
+    lease_ttl: float = float(_L1.lease_ttl)
+    heartbeat_interval: float = float(_L1.heartbeat_interval)
+    replay_timeout: float = float(_L1.replay_timeout)
+    backoff_initial: float = float(_L1.backoff_initial)
+    backoff_max: float = float(_L1.backoff_max)
+    hash_check_rate: int = _L1.hash_check_rate
     """Blocks per second and instance the hash self-check may recompute (0 = off)."""
-    no_events_after: float = 30.0
     hash: HashSettings = HashSettings()
     """How the vLLM instances hash blocks (``blockKey``), for the hash self-check."""
-    prefix_match_unit: int = 0
+    prefix_match_unit: int = _L1.prefix_match_unit
     """vLLM's ``--prefix-match-unit`` of hybrid models (0 = derive it from the events)."""
-    attention_chunk_size: int = 0
+    attention_chunk_size: int = _L1.attention_chunk_size
     """Chunk size of chunked-local attention groups (0 = unknown: answers a lower bound)."""
     models: tuple[L1Model, ...] = ()
     """Per-model overrides of the two above (``ingest.l1.models``), by the instance's model."""
@@ -154,15 +158,14 @@ class L1IngestSettings:
         l1 = cfg.ingest.l1
         return cls(
             topic=l1.topic,
-            on_unrecoverable_gap=cast(GapPolicy, l1.on_unrecoverable_gap),
-            shard_mode=cast(ShardMode, l1.shard_mode),
+            on_unrecoverable_gap=l1.on_unrecoverable_gap,
+            shard_mode=l1.shard_mode,
             lease_ttl=float(l1.lease_ttl),
             heartbeat_interval=float(l1.heartbeat_interval),
             replay_timeout=float(l1.replay_timeout),
             backoff_initial=float(l1.backoff_initial),
             backoff_max=float(l1.backoff_max),
             hash_check_rate=l1.hash_check_rate,
-            no_events_after=float(l1.no_events_after),
             hash=hash_settings(cfg),
             prefix_match_unit=l1.prefix_match_unit,
             attention_chunk_size=l1.attention_chunk_size,
@@ -174,14 +177,14 @@ class L1IngestSettings:
 class L3PollerSettings:
     """The L3 poller's settings (``ingest.l3``, plus the segment query's timeout)."""
 
-    scheme: Scheme = "http"
-    poll_interval: float = 10.0
-    http_timeout: float = 5.0
-    segments_timeout: float = 2.0
+    scheme: Scheme = _L3.scheme
+    poll_interval: float = float(_L3.poll_interval)
+    http_timeout: float = float(_L3.http_timeout)
+    segments_timeout: float = float(_DISCOVERY.segments_fetch_timeout)
     """Timeout of a master's segment query (``discovery.segmentsFetchTimeout``)."""
-    scope: L3Scope = "segment"
-    stale_after: float = 60.0
-    batch_size: int = 200
+    scope: L3Scope = _L3.scope
+    stale_after: float = float(_L3.stale_after)
+    batch_size: int = _L3.batch_size
     key_formats: tuple[str, ...] = KEY_FORMATS
     models: tuple[L3Model, ...] = ()
 
@@ -189,11 +192,11 @@ class L3PollerSettings:
     def from_config(cls, cfg: Config) -> L3PollerSettings:
         l3 = cfg.ingest.l3
         return cls(
-            scheme=cast(Scheme, l3.scheme),
+            scheme=l3.scheme,
             poll_interval=float(l3.poll_interval),
             http_timeout=float(l3.http_timeout),
             segments_timeout=float(cfg.discovery.segments_fetch_timeout),
-            scope=cast(L3Scope, l3.scope),
+            scope=l3.scope,
             stale_after=float(l3.stale_after),
             batch_size=l3.batch_size,
             key_formats=tuple(l3.key_formats),
@@ -205,21 +208,21 @@ class L3PollerSettings:
 class ApiSettings:
     """The API's settings: the HTTP server (``http``) and the block hashing (``blockKey``)."""
 
-    addr: str = ":28080"
-    workers: int = 2
-    threads: int = 4
-    shutdown_timeout: float = 10.0
-    read_header_timeout: float = 10.0
-    read_timeout: float = 30.0
-    write_timeout: float = 30.0
-    idle_timeout: float = 120.0
-    max_header_bytes: int = 1048576
-    max_hit_rate_body_bytes: int = 4194304
-    max_candidates: int = 1024
+    addr: str = _HTTP.addr
+    workers: int = _HTTP.workers
+    threads: int = _HTTP.threads
+    shutdown_timeout: float = float(_HTTP.shutdown_timeout)
+    read_header_timeout: float = float(_HTTP.read_header_timeout)
+    read_timeout: float = float(_HTTP.read_timeout)
+    write_timeout: float = float(_HTTP.write_timeout)
+    idle_timeout: float = float(_HTTP.idle_timeout)
+    max_header_bytes: int = _HTTP.max_header_bytes
+    max_hit_rate_body_bytes: int = _HTTP.max_hit_rate_body_bytes
+    max_candidates: int = _HTTP.max_candidates
     hash: HashSettings = HashSettings()
     instance_limits: Limits = Limits()
     """What ``GET /kv-cache/instances`` judges the ingesters' reports by."""
-    log_level: str = "info"
+    log_level: str = Config().log.level
     """gunicorn's own log level (the process's ``log.level``)."""
 
     @classmethod

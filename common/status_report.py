@@ -36,6 +36,7 @@ from typing import Any
 
 
 from common import group_view, keys
+from common.config import BlockKey, IngestL1
 from common.redis_client import Client, text, text_dict
 
 
@@ -151,9 +152,9 @@ class Limits:
     """The config values the states depend on (seconds), and the release the hit rule of
     hybrid models follows."""
 
-    no_events_after: float = 30.0
-    lease_ttl: float = 5.0
-    vllm_version: tuple[int, ...] = (0, 28, 0)
+    no_events_after: float = float(IngestL1().no_events_after)
+    lease_ttl: float = float(IngestL1().lease_ttl)
+    vllm_version: tuple[int, ...] = tuple(map(int, BlockKey().vllm_version.split(".")))
 
 
 def build_report(raw: Raw, limits: Limits) -> dict[str, Any]:

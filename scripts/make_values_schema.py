@@ -23,7 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common.config import _CHOICES, KEY_FORMATS  # noqa: E402 (the checkout's own config)
+from common.config import KEY_FORMATS, choice_keys  # noqa: E402 (the checkout's own config)
 
 CHART = ROOT / "charts" / "cache-indexer"
 OUTPUT = CHART / "values.schema.json"
@@ -50,7 +50,7 @@ def _enum(*values: str) -> dict[str, Any]:
 def config_choices() -> dict[str, set[str]]:
     """The config file's enumerated keys (``common.config``): the same words, checked at
     ``helm install`` instead of when a pod starts."""
-    return dict(_CHOICES)
+    return {key: set(allowed) for key, allowed in choice_keys().items()}
 
 
 # Dotted path (``*`` = any component) → schema used instead of the default's.

@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 import redis
 
+from common.config import HTTP
 from common.errors import RequestError
 from services.api.api_metrics import ApiMetrics
 from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
@@ -43,7 +44,7 @@ _READ_CHUNK = 64 * 1024
 _TOP_FIELDS = ("server_ip", "body")
 _BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
 _BODY_REQUIRED = ("token_ids", "block_size")
-DEFAULT_MAX_CANDIDATES = 1024
+DEFAULT_MAX_CANDIDATES = HTTP().max_candidates
 LOOKUPS_PER_CANDIDATE = 4096
 """Full blocks per distinct candidate that one request may have looked up, on average."""
 UNREACHABLE = "the hit rate could not be computed: the state store is unreachable"

@@ -56,7 +56,7 @@ import zmq
 from common.errors import FencedError, NotABatchError
 from common.events import Event, decode_batch
 from common.lifecycle import StateLog
-from common.settings import GapPolicy
+from common.config import GapPolicy
 from common.store import ApplyResult, BatchStatus, Instance, StoredCursor, TierOps
 from services.l1_ingest.apply import (
     Cursor,

@@ -21,7 +21,8 @@ import redis
 import zmq
 
 from common.errors import FencedError
-from common.settings import GapPolicy, L1IngestSettings
+from common.config import GapPolicy
+from common.settings import L1IngestSettings
 from common.status_report import ConnState, Limits, StatusReader, build_report
 from common.store import BatchStatus, Instance, Store
 from services.l1_ingest.apply import GroupSettings

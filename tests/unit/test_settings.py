@@ -160,7 +160,6 @@ def test_l1_ingest_settings(cfg: Config) -> None:
         backoff_initial=2.0,
         backoff_max=40.0,
         hash_check_rate=7,
-        no_events_after=45.0,
         hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
     )
 

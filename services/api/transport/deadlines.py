@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from common.config import HTTP
+
 ErrorBody: TypeAlias = Callable[[str, int, str], bytes]
 """``(path, status, message) -> JSON body`` of an error answer."""
 
@@ -22,11 +24,11 @@ BUDGET_BODIES = 16
 class Limits:
     """Seconds (``math.inf`` = none) and byte caps of the API worker."""
 
-    header_timeout: float = 10.0
-    read_timeout: float = 30.0
-    write_timeout: float = 30.0
-    idle_timeout: float = 120.0
-    body_cap: int = 4194304
+    header_timeout: float = float(HTTP().read_header_timeout)
+    read_timeout: float = float(HTTP().read_timeout)
+    write_timeout: float = float(HTTP().write_timeout)
+    idle_timeout: float = float(HTTP().idle_timeout)
+    body_cap: int = HTTP().max_hit_rate_body_bytes
 
     @property
     def buffer_budget(self) -> int:
