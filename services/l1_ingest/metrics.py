@@ -24,8 +24,7 @@ class IngestMetrics:
         )
         self.batches = r.counter(
             "cache_indexer_l1_batches_total",
-            "batches by result (BatchStatus: applied, duplicate, stale_gen, not_owner, "
-            "cursor_moved)",
+            "batches by result (BatchStatus: applied, duplicate, stale_gen, not_owner, …)",
             ("result",),
         )
         self.unknown_removes = r.counter(

@@ -24,11 +24,11 @@ and the store keeps a short digest of the payload applied there (``dig:<rank>``,
 at it, shows the publisher restarted (vLLM does not persist its sequence, and every payload
 carries a timestamp): the rank is reset and replayed from 0. Because the digest is in Redis,
 this holds after an ingester restart too. A replay that starts above the sequence asked for
-(trimmed buffer, spec §1.3) is an unrecoverable gap. Without a replay endpoint nothing can
-verify a lifetime, so the first live batch after a (re)connect that is past the cursor (a
-gap) is taken for a **possible restart** and resets the rank (whatever the gap policy): the
-index then under-reports until the engine stores its blocks again, but never credits the
-instance with a dead lifetime's blocks.
+(trimmed buffer, spec §1.3), a first join from 0 included, is an unrecoverable gap. Without a
+replay endpoint nothing can verify a lifetime, so the first live batch after a (re)connect
+that is past the cursor (a gap) is taken for a **possible restart** and resets the rank
+(whatever the gap policy): the index then under-reports until the engine stores its blocks
+again, but never credits the instance with a dead lifetime's blocks.
 
 **Cursor fence.** Every write names the cursor (seq, digest) it follows
 (:class:`~common.store.StoredCursor`); the store refuses it (``CURSOR_MOVED``) if the stored
@@ -92,8 +92,6 @@ class BatchWriter(Protocol):
         follows: StoredCursor | None = None,
         digest: str = "",
     ) -> ApplyResult: ...
-
-    def last_seq(self, ip: str, rank: int) -> int | None: ...
 
     def cursor(self, ip: str, rank: int) -> StoredCursor: ...
 

@@ -54,7 +54,10 @@ def test_after_a_restart_every_probe_equals_the_engines_reuse(
     assert run is not None, f"the driver printed nothing for {scenario}"
     assert "error" not in run, json.dumps(run, indent=1)[-8000:]
     assert run["held_before"] > 0  # the old lifetime had blocks in the index
-    bad = [r for r in run["rows"] if r["predicted"] != r["cached_tokens"]]
+    if scenario == "no-replay-ingester-killed":  # batches nobody received: never over
+        bad = [r for r in run["rows"] if r["predicted"] > r["cached_tokens"]]
+    else:
+        bad = [r for r in run["rows"] if r["predicted"] != r["cached_tokens"]]
     assert not bad, json.dumps(bad, indent=1)[-4000:]
     assert any(r["cached_tokens"] > 0 for r in run["rows"])
     print(f"{scenario}: old lifetime dropped {run['dropped_after_s']}s after the new one's first")

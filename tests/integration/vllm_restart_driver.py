@@ -18,6 +18,10 @@ is the same ``server_ip`` before and after, no AllBlocksCleared, nothing tells d
   engine serves prompts (its sequence passes the old one) before ``l1-ingest`` starts again.
 * ``live-first``: with replay; the engine is killed and restarted at once (the restart is
   first seen on the live stream after the SUB socket reconnects).
+* ``no-replay-ingester-killed``: as ``ingester-killed`` without a replay endpoint: the new
+  session's first live batch is past the stored cursor and nothing can verify the lifetime
+  (a possible restart: the rank is reset); what the new engine stored before the ingester
+  came back is lost to it, so the index may under-report those blocks, never over-report.
 
 After the restart (and, but for ``ingester-killed``, once the ingester reports its SUB socket
 connected again: without replay a batch published before that is lost) the new engine
@@ -52,7 +56,9 @@ from tests.conftest import Node, RedisServer, wait_for  # noqa: E402
 from tests.integration import vllm_engine as ve  # noqa: E402
 from tests.integration.vllm_engine_driver import IP, Run, workload  # noqa: E402
 
-SCENARIOS = ("no-replay", "ingester-killed", "live-first")
+SCENARIOS = ("no-replay", "ingester-killed", "live-first", "no-replay-ingester-killed")
+NO_REPLAY = ("no-replay", "no-replay-ingester-killed")
+INGESTER_KILLED = ("ingester-killed", "no-replay-ingester-killed")
 
 
 class RestartRun(Run):
@@ -65,7 +71,7 @@ class RestartRun(Run):
     def _write_config(self) -> Path:
         path = super()._write_config()
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if self.scenario == "no-replay":
+        if self.scenario in NO_REPLAY:
             del doc["discovery"]["static"]["vllm"][0]["replayEndpoint"]
             doc["ingest"]["l1"].update(backoffInitial="1s", backoffMax="30s")  # the defaults
         path.write_text(yaml.safe_dump(doc), encoding="utf-8")
@@ -144,21 +150,23 @@ def scenario_run(scenario: str, tmp: Path, server: Node) -> dict[str, Any]:
     old, fresh = prompts[:4], prompts[4:]
     try:
         run.start()
+        if scenario in NO_REPLAY:
+            run.wait_reconnected()  # without replay a batch sent before that is lost
         first = run.run(old)  # the first lifetime: a few batches
         held = [p for p in old if run.l1_tokens(p) > 0]
         ingester = run.ingester_proc()
         run.kill(run.engine)
-        if scenario == "ingester-killed":
+        if scenario in INGESTER_KILLED:
             run.kill(ingester)
         if scenario == "no-replay":
             time.sleep(20)  # the outage: nothing to poll for, the engine is down
         run.restart_engine()
-        if scenario != "ingester-killed":
+        if scenario not in INGESTER_KILLED:
             run.wait_reconnected()
         first_batch = time.monotonic()
-        for p in fresh[: 8 if scenario == "ingester-killed" else 1]:
+        for p in fresh[: 8 if scenario in INGESTER_KILLED else 1]:
             run.ask_engine(p)  # the new lifetime's first batches (past the old seq: 8)
-        if scenario == "ingester-killed":
+        if scenario in INGESTER_KILLED:
             run.start_ingester()
         traffic = iter(workload(21, 60))
 

@@ -21,7 +21,7 @@ from common import keys
 from common.events import BlockRemoved, encode_batch
 from common.settings import L1IngestSettings
 from common.status_report import InstanceState, Limits, StatusReader, build_report
-from common.store import BatchStatus, Instance, StoredCursor
+from common.store import BatchStatus, Instance, Store, StoredCursor
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
@@ -45,7 +45,7 @@ def removal(pub: FakePublisher, seq: int) -> bytes:
     )
 
 
-def roll_back(store: OracleStore, to: StoredCursor, members: set[int]) -> None:
+def roll_back(store: Store, to: StoredCursor, members: set[int]) -> None:
     """What a failover that lost every write after ``to`` leaves in Redis."""
     state = keys.l1_state(IP)
     store.r.hset(state, mapping={"seq:0": str(to.seq), "dig:0": to.digest})
