@@ -47,7 +47,6 @@ def l1_config(hash_settings: HashSettings | None = None, **overrides: str) -> L1
         heartbeat_interval=parse_duration(raw["heartbeatInterval"]),
         replay_timeout=parse_duration(raw["replayTimeout"]),
         hash_check_rate=int(raw.get("hashCheckRate", "1000")),
-        no_events_after=parse_duration(raw.get("noEventsAfter", "30s")),
         hash=hash_settings or HashSettings(),
     )
 
