@@ -221,7 +221,7 @@ def _instance_keys(ip: str) -> list[str]:
 
 def _rank_prefixes(ip: str) -> list[str]:
     # Legacy per-rank hashes (dropped on sight): tier_rank_counts(ip, 0) ends in "r0"; the
-    # scripts append the rank themselves.
+    # scripts append the rank themselves. ARGV[1..2] of the scripts that drop L1/L2 only.
     return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
 
 
@@ -363,7 +363,7 @@ class Store:
         pipe: Any = None if cluster else self.r.pipeline(transaction=False)
         done: list[Any] = []
         for u in updates:
-            argv: list[Any] = [*_rank_prefixes(u.ip), u.gen, u.owner, len(u.fields)]
+            argv: list[Any] = [u.gen, u.owner, len(u.fields)]
             for pairs in (u.fields, u.incr):
                 for k, v in pairs.items():
                     argv += [k, v]
@@ -427,7 +427,6 @@ class Store:
                 pipe.sadd(staging, *chunk)
         pipe.execute()
         argv: list[Any] = [
-            *_rank_prefixes(ip),
             "" if gen is None else int(gen),
             ",".join(str(int(g)) for g in sorted(by_group)),
         ]
@@ -440,7 +439,7 @@ class Store:
         with ``written`` (the ``written`` field the caller's last :meth:`replace_l3` put in
         the state hash), if the stored set is not that one any more: a write Redis lost, e.g.
         acknowledged by a master that died before its replica had it."""
-        argv: list[Any] = [*_rank_prefixes(ip), int(gen), written]
+        argv: list[Any] = [int(gen), written]
         for k, v in state.items():
             argv += [k, v]
         if not state and not written:

@@ -188,7 +188,7 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "REPLACE_L3: generation not checked",
-        "   or (ARGV[3] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[3]) then",
+        "   or (ARGV[1] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[1]) then",
         "   or false then",
     ),
     (
@@ -255,13 +255,13 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "TOUCH_L3: generation not checked",
-        "if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end\nif ARGV[4] ~= '' and "
+        "if redis.call('HGET', K.meta, 'gen') ~= ARGV[1] then return 0 end\nif ARGV[2] ~= '' and "
         "redis.call('HGET', K.l3_state",
-        "if ARGV[4] ~= '' and redis.call('HGET', K.l3_state",
+        "if ARGV[2] ~= '' and redis.call('HGET', K.l3_state",
     ),
     (
         "TOUCH_L3: the written token not checked (a lost L3 write kept for REWRITE_AFTER)",
-        "if ARGV[4] ~= '' and redis.call('HGET', K.l3_state, 'written') ~= ARGV[4] then return 0"
+        "if ARGV[2] ~= '' and redis.call('HGET', K.l3_state, 'written') ~= ARGV[2] then return 0"
         " end\n",
         "",
     ),
