@@ -108,7 +108,7 @@ class RegistryChange(StrEnum):
 
 @dataclass
 class ApplyResult:
-    """What one fenced batch write did."""
+    """What one fenced batch write did (the fields of ``store_lua.APPLY_BATCH_REPLY``)."""
 
     status: BatchStatus
     stored: int = 0
@@ -225,6 +225,11 @@ def _rank_prefixes(ip: str) -> list[str]:
     return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
 
 
+def _named(names: tuple[str, ...], reply: Sequence[Any]) -> dict[str, Any]:
+    """A script's reply (a Lua table) by the field names written next to the script."""
+    return dict(zip(names, reply, strict=True))
+
+
 class Store:
     """Redis access for one process. Create one per client; scripts load lazily."""
 
@@ -248,8 +253,10 @@ class Store:
         # Index first, then the instance: a failure in between leaves an indexed IP that the
         # next reconcile upserts or removes, never instance data that nothing lists.
         self.r.sadd(keys.INSTANCES, inst.ip)
-        result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
-        return RegistryChange(text(result)), int(gen)
+        reply = _named(
+            store_lua.UPSERT_INSTANCE_REPLY, self._upsert(keys=_instance_keys(inst.ip), args=argv)
+        )
+        return RegistryChange(text(reply["change"])), int(reply["gen"])
 
     def remove_instance(self, ip: str) -> bool:
         """Forget an instance and drop its L1/L2/L3 data (O(its own keys)); bumps its gen."""
@@ -350,10 +357,9 @@ class Store:
             digest,
             *ops.argv(),
         ]
-        status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
-        return ApplyResult(
-            _STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared)
-        )
+        reply = _named(store_lua.APPLY_BATCH_REPLY, self._apply(keys=_instance_keys(ip), args=argv))
+        counts = {name: int(value) for name, value in reply.items()}
+        return ApplyResult(_STATUS[counts.pop("status")], **counts)
 
     def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]:
         """Write the ingester's status of several instances in one pipeline, each fenced by

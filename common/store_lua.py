@@ -236,6 +236,9 @@ end
 """
 )
 
+UPSERT_INSTANCE_REPLY = ("change", "gen")
+"""The fields of UPSERT_INSTANCE's reply, in order (the change is a ``RegistryChange``)."""
+
 UPSERT_INSTANCE = (
     _COMMON
     + r"""
@@ -283,6 +286,10 @@ return existed
 """
 )
 
+APPLY_BATCH_REPLY = ("status", "stored", "removed", "unknown_removes", "cleared")
+"""The fields of APPLY_BATCH's reply, in order (``common.store.ApplyResult``'s, a test checks
+that they and every ``return {…}`` of the script agree)."""
+
 APPLY_BATCH = (
     _COMMON
     + r"""
@@ -296,8 +303,8 @@ APPLY_BATCH = (
 -- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
 -- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
 -- (0 = derive), chunk (0 = unknown), dp size).
--- Returns {status, stored, removed, unknown_removes, cleared}; status 1 applied,
--- 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
+-- Returns APPLY_BATCH_REPLY: {status, stored, removed, unknown_removes, cleared}; status 1
+-- applied, 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
 -- changed (the instance was reset: new generation, reset_reason in the state hash), -4 the
 -- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
 -- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
