@@ -4,7 +4,7 @@ mutmut mutates Python only; the scripts that fence generations and count copies 
 strings. This applies each mutant below, one at a time, to a throwaway copy of the
 repository, runs the store tests against it, and prints whether the tests killed it::
 
-    python scripts/mutate_lua.py [pytest paths; default the two store test files]
+    python scripts/mutate_lua.py [pytest paths; default the store test files and test_l3_writer.py]
     ONLY='CLAIM: renewal does not extend' python scripts/mutate_lua.py
 
 The working tree is never modified. Exit status 1 if a mutant not marked equivalent survived.
@@ -336,6 +336,7 @@ if __name__ == "__main__":
                 "tests/unit/test_store.py",
                 "tests/unit/test_store_copies.py",
                 "tests/unit/test_store_groups.py",
+                "tests/services/test_l3_writer.py",  # the TOUCH_L3 written-token fence
             ]
         )
     )
