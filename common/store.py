@@ -108,7 +108,7 @@ class RegistryChange(StrEnum):
 
 @dataclass
 class ApplyResult:
-    """What one fenced batch write did."""
+    """What one fenced batch write did (the fields of ``store_lua.APPLY_BATCH_REPLY``)."""
 
     status: BatchStatus
     stored: int = 0
@@ -221,8 +221,13 @@ def _instance_keys(ip: str) -> list[str]:
 
 def _rank_prefixes(ip: str) -> list[str]:
     # Legacy per-rank hashes (dropped on sight): tier_rank_counts(ip, 0) ends in "r0"; the
-    # scripts append the rank themselves.
+    # scripts append the rank themselves. ARGV[1..2] of the scripts that drop L1/L2 only.
     return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
+
+
+def _named(names: tuple[str, ...], reply: Sequence[Any]) -> dict[str, Any]:
+    """A script's reply (a Lua table) by the field names written next to the script."""
+    return dict(zip(names, reply, strict=True))
 
 
 class Store:
@@ -248,8 +253,10 @@ class Store:
         # Index first, then the instance: a failure in between leaves an indexed IP that the
         # next reconcile upserts or removes, never instance data that nothing lists.
         self.r.sadd(keys.INSTANCES, inst.ip)
-        result, gen = self._upsert(keys=_instance_keys(inst.ip), args=argv)
-        return RegistryChange(text(result)), int(gen)
+        reply = _named(
+            store_lua.UPSERT_INSTANCE_REPLY, self._upsert(keys=_instance_keys(inst.ip), args=argv)
+        )
+        return RegistryChange(text(reply["change"])), int(reply["gen"])
 
     def remove_instance(self, ip: str) -> bool:
         """Forget an instance and drop its L1/L2/L3 data (O(its own keys)); bumps its gen."""
@@ -350,10 +357,9 @@ class Store:
             digest,
             *ops.argv(),
         ]
-        status, stored, removed, unknown, cleared = self._apply(keys=_instance_keys(ip), args=argv)
-        return ApplyResult(
-            _STATUS[int(status)], int(stored), int(removed), int(unknown), int(cleared)
-        )
+        reply = _named(store_lua.APPLY_BATCH_REPLY, self._apply(keys=_instance_keys(ip), args=argv))
+        counts = {name: int(value) for name, value in reply.items()}
+        return ApplyResult(_STATUS[counts.pop("status")], **counts)
 
     def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]:
         """Write the ingester's status of several instances in one pipeline, each fenced by
@@ -363,7 +369,7 @@ class Store:
         pipe: Any = None if cluster else self.r.pipeline(transaction=False)
         done: list[Any] = []
         for u in updates:
-            argv: list[Any] = [*_rank_prefixes(u.ip), u.gen, u.owner, len(u.fields)]
+            argv: list[Any] = [u.gen, u.owner, len(u.fields)]
             for pairs in (u.fields, u.incr):
                 for k, v in pairs.items():
                     argv += [k, v]
@@ -427,7 +433,6 @@ class Store:
                 pipe.sadd(staging, *chunk)
         pipe.execute()
         argv: list[Any] = [
-            *_rank_prefixes(ip),
             "" if gen is None else int(gen),
             ",".join(str(int(g)) for g in sorted(by_group)),
         ]
@@ -440,7 +445,7 @@ class Store:
         with ``written`` (the ``written`` field the caller's last :meth:`replace_l3` put in
         the state hash), if the stored set is not that one any more: a write Redis lost, e.g.
         acknowledged by a master that died before its replica had it."""
-        argv: list[Any] = [*_rank_prefixes(ip), int(gen), written]
+        argv: list[Any] = [int(gen), written]
         for k, v in state.items():
             argv += [k, v]
         if not state and not written:

@@ -4,10 +4,12 @@ Every instance script receives the same KEYS bundle, in the order of :data:`INST
 the one place that order is written: ``common.store._instance_keys`` builds the bundle from
 it, and every script reads it through the table ``K`` that :data:`_KEYS` (generated from it)
 binds, ``K.meta``, ``K.l1_state``, … (``tests/unit/test_store_lua_keys.py`` checks that no
-instance script spells ``KEYS[n]`` and that every ``K.<name>`` is in the table). As ARGV[1]
-and ARGV[2] they also receive the prefixes of the *legacy* per-rank count hashes of tiers
-l1 and l2 (``…:l1:r`` and ``…:l2:r``, layout before the copies hash) so that the drop
-scripts can remove them without this file spelling a key.
+instance script spells ``KEYS[n]`` and that every ``K.<name>`` is in the table). The
+scripts that drop L1/L2 (UPSERT_INSTANCE, REMOVE_INSTANCE, APPLY_BATCH, through
+``drop_event_tiers``) also receive, as ARGV[1] and ARGV[2], the prefixes of the *legacy*
+per-rank count hashes of tiers l1 and l2 (``…:l1:r`` and ``…:l2:r``, layout before the
+copies hash) so that they can remove them without this file spelling a key; the other
+scripts' ARGV start at 1.
 
 **KV-cache groups.** ``K.l1_set`` … ``K.l3_staging`` are group 0's. Group g >= 1 of a tier
 lives in the group-0 key followed by ``:g<g>`` (its copies hash by ``:copies`` after that,
@@ -234,6 +236,9 @@ end
 """
 )
 
+UPSERT_INSTANCE_REPLY = ("change", "gen")
+"""The fields of UPSERT_INSTANCE's reply, in order (the change is a ``RegistryChange``)."""
+
 UPSERT_INSTANCE = (
     _COMMON
     + r"""
@@ -281,6 +286,10 @@ return existed
 """
 )
 
+APPLY_BATCH_REPLY = ("status", "stored", "removed", "unknown_removes", "cleared")
+"""The fields of APPLY_BATCH's reply, in order (``common.store.ApplyResult``'s, a test checks
+that they and every ``return {…}`` of the script agree)."""
+
 APPLY_BATCH = (
     _COMMON
     + r"""
@@ -294,8 +303,8 @@ APPLY_BATCH = (
 -- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
 -- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
 -- (0 = derive), chunk (0 = unknown), dp size).
--- Returns {status, stored, removed, unknown_removes, cleared}; status 1 applied,
--- 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
+-- Returns APPLY_BATCH_REPLY: {status, stored, removed, unknown_removes, cleared}; status 1
+-- applied, 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
 -- changed (the instance was reset: new generation, reset_reason in the state hash), -4 the
 -- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
 -- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
@@ -386,15 +395,15 @@ return {1, stored, removed, unknown, cleared}
 L1_STATUS = (
     _KEYS
     + r"""
--- K as above; ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] number of field,
+-- K as above; ARGV[1] gen, ARGV[2] owner ('' = unchecked), ARGV[3] number of field,
 -- value pairs to set, then those pairs, then field, increment pairs (counters).
 -- The ingester's status of the instance (connection, replay, hash self-check) lives in the
 -- l1 state hash next to seq:<rank>; fenced like apply_batch. 1 written, 0 refused.
-if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end
-if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return 0 end
-local n = tonumber(ARGV[5])
-if n > 0 then redis.call('HSET', K.l1_state, unpack(ARGV, 6, 5 + 2 * n)) end
-for i = 6 + 2 * n, #ARGV, 2 do redis.call('HINCRBY', K.l1_state, ARGV[i], ARGV[i + 1]) end
+if redis.call('HGET', K.meta, 'gen') ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[2] then return 0 end
+local n = tonumber(ARGV[3])
+if n > 0 then redis.call('HSET', K.l1_state, unpack(ARGV, 4, 3 + 2 * n)) end
+for i = 4 + 2 * n, #ARGV, 2 do redis.call('HINCRBY', K.l1_state, ARGV[i], ARGV[i + 1]) end
 return 1
 """
 )
@@ -402,18 +411,18 @@ return 1
 REPLACE_L3 = (
     _KEYS
     + r"""
--- K as above; ARGV[3] the generation the data was computed for ('' = any registered),
--- ARGV[4] the groups of the new data, comma-separated ("0", "0,1,3"); ARGV[5..] field,
+-- K as above; ARGV[1] the generation the data was computed for ('' = any registered),
+-- ARGV[2] the groups of the new data, comma-separated ("0", "0,1,3"); ARGV[3..] field,
 -- value pairs for the l3 state hash.
 -- The staging sets (one per group) were filled by the caller in the same pipeline.
 local new = {}
-for g in string.gmatch(ARGV[4], '[^,]+') do new[#new + 1] = g end
+for g in string.gmatch(ARGV[2], '[^,]+') do new[#new + 1] = g end
 local function l3_keys(g)
   if g == '0' then return K.l3_set, K.l3_staging end
   return K.l3_set .. ':g' .. g, K.l3_set .. ':g' .. g .. ':new'
 end
 if redis.call('EXISTS', K.meta) == 0
-   or (ARGV[3] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[3]) then
+   or (ARGV[1] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[1]) then
   for _, g in ipairs(new) do
     local _, staging = l3_keys(g)
     redis.call('DEL', staging)
@@ -434,8 +443,8 @@ local old = redis.call('HGET', K.l3_state, 'groups') or '0'
 for g in string.gmatch(old, '[^,]+') do
   if not keep[g] then redis.call('UNLINK', (l3_keys(g))) end
 end
-redis.call('HSET', K.l3_state, 'groups', ARGV[4])
-if #ARGV > 4 then redis.call('HSET', K.l3_state, unpack(ARGV, 5)) end
+redis.call('HSET', K.l3_state, 'groups', ARGV[2])
+if #ARGV > 2 then redis.call('HSET', K.l3_state, unpack(ARGV, 3)) end
 return 1
 """
 )
@@ -443,14 +452,14 @@ return 1
 TOUCH_L3 = (
     _KEYS
     + r"""
--- K as above; ARGV[3] generation, ARGV[4] the token of the set the writer last wrote
--- ('' = not checked), ARGV[5..] field, value pairs for the l3 state hash.
+-- K as above; ARGV[1] generation, ARGV[2] the token of the set the writer last wrote
+-- ('' = not checked), ARGV[3..] field, value pairs for the l3 state hash.
 -- Refreshes the state of an unchanged L3 set (e.g. updated_ms) without rewriting it. 0 when
 -- the generation moved or the stored set is not the one the writer wrote (its token is not
 -- in the state hash: the write was lost, e.g. by a failover): the writer rewrites it.
-if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end
-if ARGV[4] ~= '' and redis.call('HGET', K.l3_state, 'written') ~= ARGV[4] then return 0 end
-if #ARGV > 4 then redis.call('HSET', K.l3_state, unpack(ARGV, 5)) end
+if redis.call('HGET', K.meta, 'gen') ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' and redis.call('HGET', K.l3_state, 'written') ~= ARGV[2] then return 0 end
+if #ARGV > 2 then redis.call('HSET', K.l3_state, unpack(ARGV, 3)) end
 return 1
 """
 )

@@ -4,7 +4,7 @@ mutmut mutates Python only; the scripts that fence generations and count copies 
 strings. This applies each mutant below, one at a time, to a throwaway copy of the
 repository, runs the store tests against it, and prints whether the tests killed it::
 
-    python scripts/mutate_lua.py [pytest paths; default the two store test files]
+    python scripts/mutate_lua.py [pytest paths; default the store test files and test_l3_writer.py]
     ONLY='CLAIM: renewal does not extend' python scripts/mutate_lua.py
 
 The working tree is never modified. Exit status 1 if a mutant not marked equivalent survived.
@@ -188,7 +188,7 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "REPLACE_L3: generation not checked",
-        "   or (ARGV[3] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[3]) then",
+        "   or (ARGV[1] ~= '' and redis.call('HGET', K.meta, 'gen') ~= ARGV[1]) then",
         "   or false then",
     ),
     (
@@ -255,13 +255,13 @@ M: list[tuple[str, str, str]] = [  # name, original text, mutated text
     ),
     (
         "TOUCH_L3: generation not checked",
-        "if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return 0 end\nif ARGV[4] ~= '' and "
+        "if redis.call('HGET', K.meta, 'gen') ~= ARGV[1] then return 0 end\nif ARGV[2] ~= '' and "
         "redis.call('HGET', K.l3_state",
-        "if ARGV[4] ~= '' and redis.call('HGET', K.l3_state",
+        "if ARGV[2] ~= '' and redis.call('HGET', K.l3_state",
     ),
     (
         "TOUCH_L3: the written token not checked (a lost L3 write kept for REWRITE_AFTER)",
-        "if ARGV[4] ~= '' and redis.call('HGET', K.l3_state, 'written') ~= ARGV[4] then return 0"
+        "if ARGV[2] ~= '' and redis.call('HGET', K.l3_state, 'written') ~= ARGV[2] then return 0"
         " end\n",
         "",
     ),
@@ -336,6 +336,7 @@ if __name__ == "__main__":
                 "tests/unit/test_store.py",
                 "tests/unit/test_store_copies.py",
                 "tests/unit/test_store_groups.py",
+                "tests/services/test_l3_writer.py",  # the TOUCH_L3 written-token fence
             ]
         )
     )
