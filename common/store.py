@@ -497,9 +497,6 @@ class Store:
                 pipe.hget(cmd[1], cmd[2])
         return list(pipe.execute())
 
-    def ping(self) -> bool:
-        return bool(self.r.ping())
-
 
 _SMIS, _HGETALL, _HGET = "SMISMEMBER", "HGETALL", "HGET"
 

@@ -45,12 +45,10 @@ App = falcon.App[falcon.Request, falcon.Response]
 
 
 class ApiStore(StoreReads, Protocol):
-    """The API's role of :class:`common.store.Store`: the read round trip (scoring), a PING
-    (``/readyz``) and the client the status reader shares."""
+    """The API's role of :class:`common.store.Store`: the read round trip (scoring) and the
+    client ``/readyz`` asks for the Redis role and the status reader shares."""
 
     r: Client
-
-    def ping(self) -> bool: ...
 
 
 class _Health:

@@ -28,6 +28,7 @@ from common.hit_rule import Rule
 from common.store import Reads
 
 Chain = Callable[[int], Sequence[bytes]]
+"""Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
 
 
 class StoreReads(Protocol):
@@ -35,8 +36,6 @@ class StoreReads(Protocol):
 
     def execute(self, reads: Reads) -> list[Any]: ...
 
-
-"""Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
 
 CACHE_SIZE = 65_536
 """Instances whose view an API worker keeps."""

@@ -374,6 +374,7 @@ class RankStream:
             reset = reset or self.gap_policy == "clear"
             gap = self.gap_policy != "clear"
         digest = payload_digest(step.payload)
+        stored = StoredCursor(step.seq, digest.hex())
         started = time.perf_counter()
         result = self.store.apply_batch(
             self.inst.ip,
@@ -385,14 +386,14 @@ class RankStream:
             reset=reset,
             gap=gap,
             follows=self.stored,
-            digest=digest.hex(),
+            digest=stored.digest,
         )
         self.metrics.apply_seconds.observe(time.perf_counter() - started)
         self.metrics.batches.inc(result=result.status)
         if result.status is BatchStatus.APPLIED:
             self.cursor.mark_applied(step.seq)
             self.digest = (step.seq, digest)
-            self.stored = StoredCursor(step.seq, digest.hex())
+            self.stored = stored
             self._count(plan)
             if result.unknown_removes:
                 self.metrics.unknown_removes.inc(result.unknown_removes)
