@@ -238,6 +238,8 @@ class Store:
         self._upsert = client.register_script(store_lua.UPSERT_INSTANCE)
         self._remove = client.register_script(store_lua.REMOVE_INSTANCE)
         self._apply = client.register_script(store_lua.APPLY_BATCH)
+        self._upgrade = client.register_script(store_lua.UPGRADE_LAYOUT)
+        self._layout_checked: set[str] = set()  # instances UPGRADE_LAYOUT found current
         self._replace_l3 = client.register_script(store_lua.REPLACE_L3)
         self._touch_l3 = client.register_script(store_lua.TOUCH_L3)
         self._l1_status = client.register_script(store_lua.L1_STATUS)
@@ -344,7 +346,15 @@ class Store:
         a sequence not above the last applied one is a duplicate and changes nothing (unless
         ``reset``). With ``follows``, the write is also fenced by the rank's cursor: refused
         (``CURSOR_MOVED``) unless the stored one is exactly ``follows`` (not checked on a reset).
+
+        The instance's layout is checked (``UPGRADE_LAYOUT``) before this Store's first write
+        of it and again after any refused write: an index of an older layout is reset and the
+        answer is ``STALE_GEN``, with its ``reset_reason``.
         """
+        if ip not in self._layout_checked:
+            if int(self._upgrade(keys=_instance_keys(ip), args=_rank_prefixes(ip))):
+                return ApplyResult(BatchStatus.STALE_GEN, 0, 0, 0, 0)
+            self._layout_checked.add(ip)
         argv = [
             *_rank_prefixes(ip),
             gen,
@@ -359,7 +369,10 @@ class Store:
         ]
         reply = _named(store_lua.APPLY_BATCH_REPLY, self._apply(keys=_instance_keys(ip), args=argv))
         counts = {name: int(value) for name, value in reply.items()}
-        return ApplyResult(_STATUS[counts.pop("status")], **counts)
+        result = ApplyResult(_STATUS[counts.pop("status")], **counts)
+        if result.status not in (BatchStatus.APPLIED, BatchStatus.DUPLICATE):
+            self._layout_checked.discard(ip)  # refused: whoever wrote since is checked again
+        return result
 
     def write_l1_status(self, updates: Sequence[L1Status]) -> list[bool]:
         """Write the ingester's status of several instances in one pipeline, each fenced by

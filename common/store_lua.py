@@ -5,7 +5,7 @@ the one place that order is written: ``common.store._instance_keys`` builds the 
 it, and every script reads it through the table ``K`` that :data:`_KEYS` (generated from it)
 binds, ``K.meta``, ``K.l1_state``, … (``tests/unit/test_store_lua_keys.py`` checks that no
 instance script spells ``KEYS[n]`` and that every ``K.<name>`` is in the table). The
-scripts that drop L1/L2 (UPSERT_INSTANCE, REMOVE_INSTANCE, APPLY_BATCH, through
+scripts that drop L1/L2 (UPSERT_INSTANCE, REMOVE_INSTANCE, UPGRADE_LAYOUT, APPLY_BATCH, through
 ``drop_event_tiers``) also receive, as ARGV[1] and ARGV[2], the prefixes of the *legacy*
 per-rank count hashes of tiers l1 and l2 (``…:l1:r`` and ``…:l2:r``, layout before the
 copies hash) so that they can remove them without this file spelling a key; the other
@@ -286,6 +286,26 @@ return existed
 """
 )
 
+UPGRADE_LAYOUT = (
+    _COMMON
+    + r"""
+-- Run by common.store.Store before its first APPLY_BATCH of an instance (and again after a
+-- refused one), never on the hot path. Returns 1 if the instance was reset, else 0.
+-- An index written in an older layout (per-rank count hashes, or sets without group
+-- descriptors) cannot be trusted: drop L1/L2 and move the generation on, as for a vLLM
+-- restart; the ingester sees stale_gen, reloads and re-syncs from the replay buffer. An
+-- unregistered instance is left to APPLY_BATCH's generation fence.
+if redis.call('EXISTS', K.meta) == 1
+   and (redis.call('EXISTS', K.legacy_l1_counts, K.legacy_l2_counts) > 0
+        or (redis.call('EXISTS', K.l1_groups) == 0
+            and redis.call('EXISTS', K.l1_set, K.l2_set) > 0)) then
+  reset_instance('the index was written in an older layout')
+  return 1
+end
+return 0
+"""
+)
+
 APPLY_BATCH_REPLY = ("status", "stored", "removed", "unknown_removes", "cleared")
 """The fields of APPLY_BATCH's reply, in order (``common.store.ApplyResult``'s, a test checks
 that they and every ``return {…}`` of the script agree)."""
@@ -310,15 +330,6 @@ APPLY_BATCH = (
 -- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
 if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
 if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
-if redis.call('EXISTS', K.legacy_l1_counts, K.legacy_l2_counts) > 0
-   or (redis.call('EXISTS', K.l1_groups) == 0
-       and redis.call('EXISTS', K.l1_set, K.l2_set) > 0) then
-  -- Written in an older layout (per-rank count hashes, or sets without group descriptors):
-  -- what it holds cannot be trusted here, so drop L1/L2 and move the generation on, as for
-  -- a vLLM restart; the ingester sees stale_gen, reloads and re-syncs from the replay buffer.
-  reset_instance('the index was written in an older layout')
-  return {-1, 0, 0, 0, 0}
-end
 local rank, seq = ARGV[5], tonumber(ARGV[6])
 local seqf, digf = 'seq:' .. rank, 'dig:' .. rank
 -- The cursor fence: a batch follows the batch the writer applied last, so it is refused if

@@ -117,6 +117,54 @@ def test_a_store_without_descriptor_is_not_mistaken_for_the_old_layout(store: St
     ops.store("l1", [3])
     assert store.apply_batch(IP, gen, 0, 1, ops).status is BatchStatus.APPLIED
     assert store.tier_members(IP) == {1, 2, 3}
+    restarted = type(store)(store.r)  # an ingester restarted: its Store checks the layout
+    ops = TierOps()
+    ops.store("l1", [4])
+    assert restarted.apply_batch(IP, gen, 0, 2, ops).status is BatchStatus.APPLIED
+    assert store.tier_members(IP) == {1, 2, 3, 4}
+
+
+class _Counted:
+    """A registered script that counts its calls."""
+
+    def __init__(self, script: object) -> None:
+        self.script, self.calls = script, 0
+
+    def __call__(self, **kw: object) -> object:
+        self.calls += 1
+        return self.script(**kw)  # type: ignore[operator]
+
+
+def test_the_layout_is_checked_once_per_instance_and_after_a_refusal(store: Store) -> None:
+    """The old-layout check is not on the hot path: one script per instance and Store, run
+    again only after a refused write (whoever wrote meanwhile may have left an old layout)."""
+    gen = _register(store)
+    other = "10.0.0.8"
+    other_gen = store.upsert_instance(Instance(ip=other, uid="v"))[1]
+    upgrade = _Counted(store._upgrade)
+    store._upgrade = upgrade  # type: ignore[method-assign]
+    for seq in range(3):
+        assert store.apply_batch(IP, gen, 0, seq, _gemma_batch([seq])).status is BatchStatus.APPLIED
+    assert upgrade.calls == 1
+    store.apply_batch(other, other_gen, 0, 0, _gemma_batch([1]))
+    assert upgrade.calls == 2
+    assert store.apply_batch(IP, gen, 0, 1, _gemma_batch([9])).status is BatchStatus.DUPLICATE
+    assert upgrade.calls == 2
+    assert store.apply_batch(IP, gen - 1, 0, 5, TierOps()).status is BatchStatus.STALE_GEN
+    store.r.hset(keys.tier_counts(IP), "1", 1)  # an older release wrote meanwhile
+    result = store.apply_batch(IP, gen, 0, 5, _gemma_batch([5]))
+    assert upgrade.calls == 3
+    assert result.status is BatchStatus.STALE_GEN
+    assert "older layout" in store.l1_state(IP)["reset_reason"]
+    assert store.tier_members(IP, "l1", 2) == set()
+    assert store.tier_members(other, "l1", 2) == {1}, "the other instance is untouched"
+
+
+def test_the_layout_check_leaves_an_unregistered_instance_to_the_fence(store: Store) -> None:
+    store.r.sadd(keys.tier_set(IP, "l1"), 7)  # leftovers, no instance hash
+    assert store.apply_batch(IP, 1, 0, 0, TierOps()).status is BatchStatus.STALE_GEN
+    assert not store.r.exists(keys.instance_meta(IP)), "no instance hash is made up"
+    assert store.r.smembers(keys.tier_set(IP, "l1")) == {b"7"}
 
 
 def test_all_blocks_cleared_and_restarts_clear_every_group(store: Store) -> None:
