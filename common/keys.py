@@ -1,20 +1,12 @@
 """Every Redis key this project uses, and the only module allowed to spell one.
 
 All keys of one instance share the hash tag ``{<ip>}`` so that they live in one Redis
-Cluster slot and the Lua scripts in :mod:`common.store` can touch them atomically. The
-global keys (``ci:instances``, ``ci:masters``, ``ci:ingesters``, ``ci:lease:*``) are never
-used in the same script as an instance's keys.
-The instance is named by its pod IP because that is what callers send as ``server_ip``:
-the API can then read an instance's sets without a lookup (one round trip per request).
-A new pod on a reused IP never sees the old pod's blocks because discovery drops the
-old data and bumps the instance generation before it registers the new pod, and every
-ingester write is fenced by that generation.
-
-**Copies.** The common case — a hash held once, on DP rank 0 — costs exactly one member of
-``ci:{ip}:l1`` and nothing else. Only a hash with more than one copy, or with copies on
-another DP rank, also has a field in ``ci:{ip}:l1:copies`` whose value is the per-rank copy
-counts from rank 0 on, comma-separated, trailing zeros trimmed (``"2"``, ``"0,1"``,
-``"1,0,3"``). So the index of a single-rank instance without duplicates is a bare set.
+Cluster slot and the Lua scripts of :mod:`common.store_lua` can touch them atomically; no
+script touches a global key (``ci:instances``, ``ci:masters``, ``ci:ingesters``,
+``ci:lease:*``) together with an instance's. The instance is named by its pod IP because
+that is what callers send as ``server_ip`` (no lookup). Why a reused IP never shows the old
+pod's blocks (the generation fence) and the other decisions: docs/design.md "Redis schema".
+Where a row's fields are listed elsewhere, the row names that one source.
 
 Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 (``int.from_bytes(digest[-8:], "big")``), e.g. ``11738959596286628545``.
@@ -22,22 +14,22 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | key                          | type   | writer            | readers                  | lifetime |
 |------------------------------|--------|-------------------|--------------------------|----------|
 | ci:instances                 | SET    | discovery         | ingesters, poller, API   | members = registered pod IPs |
-| ci:{ip}:inst                 | HASH   | discovery         | ingesters, poller, tools | while registered (uid, pod, gen, zmq, replay, dp, role, …) |
+| ci:{ip}:inst                 | HASH   | discovery         | ingesters, poller, tools | while registered: uid, restarts, gen and ``common.store.Instance``'s meta fields |
 | ci:{ip}:gen                  | STRING | discovery         | store scripts            | forever: generation counter, survives drops so it never repeats |
 | ci:{ip}:l1                   | SET    | L1 ingester       | API (SMISMEMBER)         | GPU block hashes with ≥1 copy on any DP rank |
-| ci:{ip}:l1:copies            | HASH   | L1 ingester       | tools                    | sparse: hash → per-rank copies "c0,c1,…" only when not exactly one copy on rank 0 |
+| ci:{ip}:l1:copies            | HASH   | L1 ingester       | tools                    | sparse per-rank copy counts (encoding: :mod:`common.store_lua`, "Copies") |
 | ci:{ip}:l2 (…:copies)        | as l1  | L1 ingester       | tools                    | same, for non-GPU media in the event stream (CPU / STORAGE offload) |
 | ci:{ip}:l1:g<g> (…:copies)   | as l1  | L1 ingester       | API (SMISMEMBER)         | KV-cache group g ≥ 1 of a hybrid model (group 0 is ci:{ip}:l1); same for l2 |
-| ci:{ip}:l1:groups            | HASH   | L1 ingester       | API, tools               | per generation: field <g> → "kind,B,w,bmin" as learned from BlockStored (kind "-" if not sent, w empty if none, B the largest and bmin the smallest block size seen); h_cfg, chunk, dp from the ingester's config; exists whenever an l1/l2 set does |
+| ci:{ip}:l1:groups            | HASH   | L1 ingester       | API, tools               | per generation: each group's descriptor and the ingester's settings (format: :mod:`common.group_view`); exists whenever an l1/l2 set does |
 | ci:{ip}:l1:cnt, …:l1:r<rank> | HASH   | (legacy layout)   | –                        | before the copies hash; found by the scripts, dropped, instance re-synced |
-| ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, API, tools  | seq:<rank> last applied sequence, dig:<rank> its payload's digest (the cursor fence); gap:<rank> unrecoverable gaps; ingester status: ingester, status_ms, subscribed_ms, last_event_ms, conn, conn_detail, replaying, hash_check, hash_check_ok, hash_check_mismatch, hash_check_detail |
+| ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, API, tools  | the ranks' cursors (``common.store.StoredCursor``), gap counts and the store's reset reason (:mod:`common.store_lua`); the ingester's status (fields: ``services/l1_ingest/status.py``) |
 | ci:{ip}:l1:owner             | STRING | L1 ingester       | store scripts, API       | lease (PX): id of the ingester that may write this instance |
 | ci:{ip}:l3                   | SET    | L3 poller         | API (SMISMEMBER)         | block hashes held in Mooncake, replaced whole per poll |
 | ci:{ip}:l3:new               | SET    | L3 poller         | –                        | staging for the next ``ci:{ip}:l3``; renamed over it |
 | ci:{ip}:l3:g<g> (…:new)      | SET    | L3 poller         | API (SMISMEMBER)         | KV-cache group g ≥ 1 in Mooncake (and its staging); the groups present are the l3 state's ``groups`` |
-| ci:{ip}:l3:state             | HASH   | L3 poller         | API, tools               | master, updated_ms, blocks, stale, groups (ids of the group sets, "0,1") |
+| ci:{ip}:l3:state             | HASH   | L3 poller         | API, tools               | fields: ``services/l3_poller/writer.py``'s docstring; the store adds ``groups`` (ids of the group sets, "0,1") |
 | ci:masters                   | HASH   | discovery         | L3 poller, API           | master URL → JSON (pod, ip, rpc) |
-| ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: keys, keys_unparsed, sample_unparsed, blocks, updated_ms, stale, error |
+| ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: ``services/l3_poller/status.py`` ``STATE_FIELDS`` |
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
 | ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters, API        | live ingester id → heartbeat expiry (ms since epoch) |
 """

@@ -17,11 +17,12 @@ its L3 staging by ``:new``), the one rule :func:`common.keys.tier_group_set` als
 test checks the two agree). The groups that exist are the numeric fields of ``K.l1_groups``
 (l1/l2) and the l3 state's ``groups`` field (l3).
 
-Copies (see :mod:`common.keys`): a hash in a tier set that has no field in the tier's
-copies hash holds exactly one copy, on DP rank 0. Any other distribution is the copies
-hash's value: per-rank counts from rank 0 on, comma-separated, trailing zeros trimmed
-(``"2"`` = two copies on rank 0, ``"0,1"`` = one on rank 1, ``"1,0,3"``). Invariant: every
-field of the copies hash is a member of the set, and no value is ``""`` or ``"1"``.
+**Copies** (the encoding, written here only; ``encode`` and ``put`` below keep it): a hash
+in a tier set that has no field in the tier's copies hash holds exactly one copy, on DP rank
+0. Any other distribution is the copies hash's value: per-rank counts from rank 0 on,
+comma-separated, trailing zeros trimmed (``"2"`` = two copies on rank 0, ``"0,1"`` = one on
+rank 1, ``"1,0,3"``). Invariant: every field of the copies hash is a member of the set, and
+no value is ``""`` or ``"1"``.
 """
 
 from __future__ import annotations
@@ -425,7 +426,8 @@ REPLACE_L3 = (
 -- K as above; ARGV[1] the generation the data was computed for ('' = any registered),
 -- ARGV[2] the groups of the new data, comma-separated ("0", "0,1,3"); ARGV[3..] field,
 -- value pairs for the l3 state hash.
--- The staging sets (one per group) were filled by the caller in the same pipeline.
+-- The staging sets (one per group; none for a group without blocks) were filled by the
+-- caller's pipeline, sent before this script as a separate call (Store.replace_l3).
 local new = {}
 for g in string.gmatch(ARGV[2], '[^,]+') do new[#new + 1] = g end
 local function l3_keys(g)
