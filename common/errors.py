@@ -2,11 +2,11 @@
 
 CacheIndexerError
  ├── ConfigError        a bad config file or flag: the process exits with status 2
- ├── DecodeError        a malformed message (KV-event payload, Mooncake body): drop it, count it
+ ├── DecodeError        a malformed KV event, event batch or replay reply: drop it, count it
  │    └── NotABatchError  a ZMQ payload that is not an EventBatch at all
  ├── UpstreamError      a peer failed: back off, retry
- │    ├── FencedError   a write was refused because this writer lost its lease or generation
- │    └── MasterError   a Mooncake master request failed (services/l3_poller/client.py)
+ │    ├── FencedError   the store refused an L1 write (see the class)
+ │    └── MasterError   a Mooncake master request or body failed (l3_poller/client.py)
  └── RequestError       a bad hit-rate request: answered with its HTTP status
 
 Redis, ZMQ and Kubernetes errors are not wrapped: the loops catch ``redis.RedisError``,
@@ -42,12 +42,11 @@ class UpstreamError(CacheIndexerError):
 
 
 class FencedError(UpstreamError):
-    """A fenced write was refused: stale generation, or the writer no longer owns the instance.
+    """The store refused an L1 write; ``status`` is its verdict (``common.store.BatchStatus``).
 
-    Raised by the L1 ingester's rank stream (``status`` is the store's verdict, e.g.
-    ``stale_gen``); its subscriber drops the instance and resubscribes after a backoff, as
-    for any upstream failure. The store itself returns the verdict, since a duplicate is
-    not an error and the L3 writer only skips a refused write."""
+    Raised by the L1 rank stream (its module docstring says for which verdicts) and handled
+    by the subscriber like any upstream failure (its module docstring). The store returns
+    verdicts rather than raising: a duplicate is no error, the L3 writer only skips a refusal."""
 
     def __init__(self, message: str, status: str) -> None:
         super().__init__(message)

@@ -89,9 +89,8 @@ class BatchStatus(StrEnum):
     """Refused: a KV-cache group's kind or window changed; the store reset the instance (new
     generation, ``reset_reason`` in its state hash) and the ingester re-syncs it."""
     CURSOR_MOVED = "cursor_moved"
-    """Refused: the rank's stored cursor (sequence and payload digest) is not the one the
-    writer follows, e.g. a failover lost acknowledged writes; the writer re-reads it and
-    re-syncs (:class:`StoredCursor`)."""
+    """Refused: the rank's stored cursor is not the one the writer follows (:class:`StoredCursor`;
+    what the ingester does then: ``services/l1_ingest/stream.py``)."""
 
 
 class RegistryChange(StrEnum):
@@ -121,8 +120,7 @@ class ApplyResult:
 class StoredCursor:
     """What the l1 state hash says was applied last on one rank: ``seq:<rank>`` (None = no
     field: nothing applied, or reset) and ``dig:<rank>``, the digest of that batch's payload
-    (hex; ``""`` = none recorded). A batch write names the cursor it follows and the store
-    refuses it when the stored one differs (``BatchStatus.CURSOR_MOVED``)."""
+    (hex; ``""`` = none recorded): what :meth:`Store.apply_batch`'s ``follows`` names."""
 
     seq: int | None = None
     digest: str = ""

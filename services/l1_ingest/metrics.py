@@ -14,7 +14,7 @@ class IngestMetrics:
         r = self.registry = registry or Registry()
         self.events = r.counter(
             "cache_indexer_l1_events_total",
-            "KV events by type and outcome (l1, l2, other_group, placeholder, skipped:<reason>)",
+            "KV events by type and outcome (l1, l2, placeholder, skipped:<reason>)",
             ("type", "outcome"),
         )
         self.hash_updates = r.counter(

@@ -10,9 +10,10 @@ next batch with ``gap=True`` (the store counts it), ``clear`` with ``reset=True`
 sequence that goes backwards (:class:`~services.l1_ingest.apply.Verdict`) is a publisher
 restart: the rank is reset and replayed from 0.
 
-A write the store refuses (the instance changed generation, or another ingester owns it)
-raises :class:`~common.errors.FencedError` and ends the session: the subscriber drops the
-instance and resubscribes after a backoff, with fresh state.
+A write the store refuses for another reason than a moved cursor (``stale_gen``,
+``not_owner``, ``groups_changed``: :class:`~common.store.BatchStatus`) raises
+:class:`~common.errors.FencedError` and ends the session (the subscriber's docstring says
+what follows); a moved cursor re-syncs the rank instead (below).
 
 A payload that is not an EventBatch is dropped and counted, but its sequence is still
 recorded (an empty write): vLLM sent it, replaying it would return the same bytes, and
@@ -20,14 +21,16 @@ treating it as a gap would clear or flag the index for nothing.
 
 **Continuity.** Every replay asks from the last applied sequence itself (not the one after)
 and the store keeps a short digest of the payload applied there (``dig:<rank>``, written with
-``seq:<rank>`` by the same script). A reply that lacks that sequence, or holds different bytes
-at it, shows the publisher restarted (vLLM does not persist its sequence, and every payload
+``seq:<rank>`` by the same script). A publisher always buffers its newest batch, so the one
+we followed still holds that sequence: a reply that lacks it, or holds different bytes at it,
+shows the publisher restarted (vLLM does not persist its sequence, and every payload
 carries a timestamp): the rank is reset and replayed from 0. Because the digest is in Redis,
 this holds after an ingester restart too. A replay that starts above the sequence asked for
 (trimmed buffer, spec §1.3), a first join from 0 included, is an unrecoverable gap. Without a
 replay endpoint nothing can verify a lifetime, so the first live batch after a (re)connect
-that is past the cursor (a gap) is taken for a **possible restart** and resets the rank
-(whatever the gap policy): the index then under-reports until the engine stores its blocks
+(a session's first included) that is past the cursor (a gap) is taken for a **possible
+restart** and resets the rank (whatever the gap policy, which still applies to a gap while
+connected, e.g. a full HWM): the index then under-reports until the engine stores its blocks
 again, but never credits the instance with a dead lifetime's blocks.
 
 **Cursor fence.** Every write names the cursor (seq, digest) it follows
@@ -35,8 +38,8 @@ again, but never credits the instance with a dead lifetime's blocks.
 one differs, e.g. a Redis failover lost acknowledged writes or emptied the state hash. The
 stream then re-syncs (:meth:`RankStream.resync`): it re-reads the stored cursor and replays
 from there, which the continuity check above verifies; what replay cannot cover (no endpoint,
-trimmed buffer, nothing stored) resets the rank. The subscriber also compares every rank's
-stored cursor with the stream's every couple of seconds, so a quiet instance re-syncs too.
+trimmed buffer, nothing stored) resets the rank. The subscriber's periodic check of the
+stored cursors (its docstring) re-syncs a quiet rank the same way.
 
 A replay endpoint ZMQ cannot connect to (``tcp://*:port``, no port) makes replay unavailable
 for the session: logged once, and every gap is handled by the policy above; the other
@@ -163,13 +166,8 @@ class RankStream:
     # -- events from the subscriber --------------------------------------------------------
 
     def on_connected(self) -> None:
-        """(Re)connected: catch up through replay, starting *at* the last applied sequence.
-
-        Asking from ``applied`` rather than ``applied + 1`` makes the reply prove continuity:
-        a publisher always buffers its newest batch, which is >= ``applied`` if it is the one
-        we followed, so an empty reply means vLLM restarted while we were not connected, and
-        so does a batch at ``applied`` whose digest is not the one we applied.
-        """
+        """(Re)connected: catch up through a replay from the last applied sequence itself
+        (the module docstring, "Continuity", says why)."""
         self._unverified = True
         if not self.paused:
             self._start_replay(self._replay_start(), [])
