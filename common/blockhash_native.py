@@ -3,8 +3,9 @@
 The library is plain C (no Python API), built by ``pip install`` as an optional extension:
 it needs a C compiler, not Python's headers. :data:`ENCODER` is None when it was not built
 (no compiler at install time, or a checkout used without installing); :mod:`common.blockhash`
-then encodes with numpy (:mod:`common.blockhash_cbor`), bit for bit the same and a third
-to a half as fast. :func:`status` says which one a process uses; the API logs it at start-up.
+then encodes with numpy (:mod:`common.blockhash_cbor`), bit for bit the same and slower
+(docs/design.md, "Block hashing"). :func:`status` says which one a process uses; the API logs
+it at start-up.
 
 :class:`Encoder` wraps the library's three functions: :meth:`Encoder.chain` encodes and
 hashes a prompt's whole chain in one call, with the SHA-256 functions of the libcrypto

@@ -60,7 +60,12 @@ class Groups:
 
 
 def parse_groups(fields: dict[str, str], vllm_version: tuple[int, ...]) -> Groups:
-    """The :class:`Groups` of one descriptor hash (see the module docstring)."""
+    """The :class:`Groups` of one descriptor hash (see the module docstring).
+
+    The hash unit (the rule, stated here only): ``h_cfg`` (``ingest.l1.prefixMatchUnit``)
+    when set, else the GCD of the groups' block sizes, the smallest seen included (a partial
+    entry's ``block_size`` is the unit). The self-check (``services/l1_ingest/hashcheck.py``)
+    derives it the same way from the events it samples."""
     found = _groups(fields)
     if not found or (len(found) == 1 and found[0].gid == 0 and found[0].kind in SINGLE_KINDS):
         return Groups(tuple(found), found[0].block_size if found else 0)

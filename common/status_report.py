@@ -7,20 +7,9 @@ know yet (new since this reader's previous call) cost one more round trip for th
 only. No Lua: the reads stay valid on a Redis Cluster, whose pipelines refuse ``TIME``: there
 it is one more call, to one node (tests/integration/test_status_cluster.py).
 
-:func:`build_report` turns the raw hashes into the document; ``l1.state`` is, first match wins:
-
-* ``unassigned`` — no live ingester follows the instance: nobody wrote its status within
-  ``max(ingest.l1.leaseTTL, 3s)``, or its owner lease names an ingester that stopped
-  heartbeating.
-* ``unreachable`` — the ingester cannot reach the publisher (connect retried, disconnected,
-  or subscription being retried after an error).
-* ``resyncing`` — some rank's stored cursor was not the one the ingester applied (a Redis
-  failover lost writes, the state hash was emptied): it re-reads it and re-syncs.
-* ``replaying`` — a replay is in flight on some rank (catching up after a connect or gap).
-* ``gap`` — an unrecoverable gap was kept (``onUnrecoverableGap: keep``): blocks may be missing
-  or stale until the rank is reset.
-* ``no_events`` — subscribed, but nothing received for ``ingest.l1.noEventsAfter``.
-* ``synced`` — otherwise.
+:func:`build_report` turns the raw hashes into the document; ``l1.state`` is decided by
+:func:`l1_state` (its checks in order, the first that matches wins; what each state means to
+an operator: the table in docs/api.md).
 
 ``groups`` describes the instance's KV-cache groups (:func:`common.group_view.describe`):
 their kinds and block sizes, the hash unit, and ``exact``: false, with the reasons, where the
@@ -43,7 +32,7 @@ from common.redis_client import Client, text, text_dict
 
 
 class InstanceState(StrEnum):
-    """An instance's ``l1.state`` (see the module docstring); the values are what the API,
+    """An instance's ``l1.state`` (decided by :func:`l1_state`); the values are what the API,
     ``inspect`` and the state gauge's label show."""
 
     SYNCED = "synced"
@@ -211,7 +200,7 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
 def l1_state(
     l1: dict[str, str], owner: str | None, raw: Raw, limits: Limits
 ) -> tuple[InstanceState, str]:
-    """(state, one-line reason) of an instance's L1 index; see the module docstring."""
+    """(state, one-line reason) of an instance's L1 index: the first check that matches."""
     now = raw.now_ms
     status_age = _age(l1.get("status_ms"), now)
     fresh_s = max(limits.lease_ttl, _MIN_FRESH_S)

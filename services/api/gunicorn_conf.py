@@ -9,22 +9,17 @@ request whole in its selector thread before a pool thread sees it):
 | addr                | bind                        | Go style: ``:28080`` = all interfaces; ``--bind`` overrides |
 | workers, threads    | workers, threads            | this project's keys; ``--workers`` overrides; threads only run complete requests |
 | shutdownTimeout     | graceful_timeout            | SIGTERM: workers finish in-flight requests for at most this long |
-| readHeaderTimeout   | the worker                  | accept (or a kept-alive connection's next first byte) to the end of the headers; past it: 408 and close (just close if nothing was sent); 0 = readTimeout |
-| readTimeout         | the worker                  | the same start to the end of the body; past it: 408 and close; 0 = none |
-| writeTimeout        | the worker                  | end of the headers to the end of the response (every socket write of the thread is bounded); past it the connection is closed; 0 = none. gunicorn's ``timeout`` (a wedged worker is replaced) is max(writeTimeout, 30 s) |
-| idleTimeout         | the worker, keepalive       | an idle kept-alive connection is closed after this; 0 = readTimeout |
+| readHeaderTimeout, readTimeout, writeTimeout | the worker | what each spans and answers: :mod:`services.api.transport.worker`; zero values: ``Limits.from_go``. gunicorn's ``timeout`` (a wedged worker is replaced) is max(writeTimeout, 30 s) |
+| idleTimeout         | the worker, keepalive       | as above |
 | maxHeaderBytes      | limit_request_line, limit_request_field_size | each capped at 8190, gunicorn's maximum; with the default 100 fields the header block stays under ~800 KiB |
 | maxHitRateBodyBytes | the worker, the app         | bodies over it are not buffered; :func:`services.api.hit_rate.read_body`: Content-Length check (413 unread), capped chunked read |
 | maxCandidates       | the app                     | :func:`services.api.hit_rate.parse_request`: more distinct ``server_ip`` values, or more than maxCandidates × 4096 candidate-blocks → 400 |
 
 gunicorn's own durations are rounded up to whole seconds (it takes integers); the worker's
-deadlines are exact. The hooks run the
-cross-worker metrics (prometheus_client's multiprocess mode, :mod:`services.api.api_metrics`):
-the master creates an empty directory and exports ``PROMETHEUS_MULTIPROC_DIR`` before forking
-(``on_starting``), marks a dead worker dead (``child_exit``: its live gauges go, its counts
-stay) and removes the directory on exit; an exiting worker flushes its buffered counts
-(``worker_exit``). gunicorn's own log records go to the root handler
-that :func:`common.logs.configure` installed.
+deadlines are exact. The hooks (``on_starting``, ``child_exit``, ``worker_exit``,
+``on_exit``) run the cross-worker metrics as :mod:`services.api.api_metrics` describes.
+gunicorn's own log records go to the root handler that :func:`common.logs.configure`
+installed.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         return exc.code
     except ConfigError as exc:
         return shell.config_failure(_PROG, exc).code
-    # the numpy fallback hashes at a third to a half of the speed: say which one runs
+    # the numpy fallback hashes slower (docs/design.md, "Block hashing"): say which one runs
     log = logger.info if blockhash_native.ENCODER is not None else logger.warning
     log("%s", blockhash_native.status())
     try:

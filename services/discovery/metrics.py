@@ -1,26 +1,13 @@
 """The discovery process's metrics, registered once on the process's :class:`Registry`.
 
-Served by :func:`common.metrics.serve` on ``metrics.port`` / ``--metrics-port`` (0 = off).
-All are prefixed ``cache_indexer_discovery_``:
-
-| metric                 | type    | label  | meaning |
-|------------------------|---------|--------|---------|
-| instances, masters     | gauge   | –      | what this process sees now (standbys too) |
-| registry_changes_total | counter | action | added replaced restarted updated removed masters |
-| relists_total          | counter | source | successful pod lists (vllm, masters) |
-| watch_restarts_total   | counter | source | watches reopened from the last resourceVersion |
-| errors_total           | counter | kind   | see below |
-| lease_held             | gauge   | –      | 1 while this process is the writer |
-| static_reloads_total   | counter | result | static file reloads: ok, invalid |
-
-Error kinds: ``unreachable``, ``forbidden`` (401/403), ``api_error`` (other HTTP errors),
-``gone`` (410: relist), ``watch_broken``, ``decode``, ``redis``, ``lease_lost``,
-``config`` (a bad static file), ``internal``.
+Served by :func:`common.metrics.serve` on ``metrics.port`` / ``--metrics-port`` (0 = off);
+names and meanings are the help strings below. Error kinds: ``unreachable``, ``forbidden``
+(401/403), ``api_error`` (other HTTP errors), ``gone`` (410: relist), ``watch_broken``,
+``decode``, ``redis``, ``lease_lost``, ``config`` (a bad static file), ``internal``.
 
 One counter with an ``action`` label rather than a counter per action keeps the set of
 names small; only the lease holder's ``registry_changes_total`` moves, so summing it over
-all discovery processes counts each write once.
-"""
+all discovery processes counts each write once."""
 
 from __future__ import annotations
 
@@ -44,20 +31,28 @@ class DiscoveryMetrics:
     def register(cls, registry: Registry) -> DiscoveryMetrics:
         p = "cache_indexer_discovery_"
         return cls(
-            instances=registry.gauge(p + "instances", "vLLM instances discovery currently sees"),
-            masters=registry.gauge(p + "masters", "Mooncake masters discovery currently sees"),
+            instances=registry.gauge(
+                p + "instances", "vLLM instances discovery currently sees (standbys too)"
+            ),
+            masters=registry.gauge(
+                p + "masters", "Mooncake masters discovery currently sees (standbys too)"
+            ),
             changes=registry.counter(
                 p + "registry_changes_total",
                 "registry writes by action (added, replaced, restarted, updated, removed, masters)",
                 ["action"],
             ),
-            relists=registry.counter(p + "relists_total", "successful pod list calls", ["source"]),
+            relists=registry.counter(
+                p + "relists_total", "successful pod list calls (vllm, masters)", ["source"]
+            ),
             watch_restarts=registry.counter(
                 p + "watch_restarts_total", "watch streams that broke or expired", ["source"]
             ),
             errors=registry.counter(p + "errors_total", "errors by kind", ["kind"]),
             lease_held=registry.gauge(p + "lease_held", "1 while this process holds the lease"),
             reloads=registry.counter(
-                p + "static_reloads_total", "static config reloads", ["result"]
+                p + "static_reloads_total",
+                "static config reloads by result (ok, invalid)",
+                ["result"],
             ),
         )

@@ -16,10 +16,10 @@ event's ``block_hashes``:
   group's sparse store, a block larger than the hash unit ``h``, a partial entry — is checked
   by chaining its whole token span at ``h`` and requiring the published hashes to be a
   subsequence of the chain's values at the group's block boundaries (spec vllm-hybrid-kv.md
-  §2.3). ``h`` is ``ingest.l1.prefixMatchUnit`` when set, else the GCD of the block sizes
-  seen: a ``--prefix-match-unit`` finer than that shows as a mismatch naming the unit. A
-  null parent is the root only on full-attention kinds (a sparse group's first kept block
-  has no stored parent either); such stores, and sparse ones with extra keys, are unchecked.
+  §2.3); ``h`` as :func:`common.group_view.parse_groups` says. A ``--prefix-match-unit``
+  finer than the derived unit shows as a mismatch naming the unit. A null parent is the
+  root only on full-attention kinds (a sparse group's first kept block has no stored parent
+  either); such stores, and sparse ones with extra keys, are unchecked.
 * Bounded CPU: a token bucket of ``ingest.l1.hashCheckRate`` blocks per second per instance
   (burst one second). When the bucket is empty an event costs one comparison.
 * Extra keys come from the event (``extra_keys``, vLLM >= 0.17, one entry per hash; else

@@ -1,7 +1,7 @@
 """The worker's per-connection limits (the original's Go ``http.Server`` keys) and the
 answers it sends on its own when a limit is hit (408, 503). Their JSON body comes from the
 application (:data:`ErrorBody`, set on the worker class), so a 408 on the hit-rate path has
-the same shape as the app's own errors there; this package never imports the routes."""
+the same shape as the app's own errors there (see the package docstring)."""
 
 from __future__ import annotations
 
