@@ -348,3 +348,36 @@ def test_manifests_use_only_known_kubernetes_fields(helm: Any, values: Any) -> N
             checked += 1
     assert checked == 12  # ConfigMap, SA, Role, RoleBinding, 2 Services, 5 Deployments, PDB
     assert _unknown_fields({"spec": {"replica": 1}}, "V1Deployment", "D") == ["D.spec.replica"]
+
+
+# redis and metrics are built key by key in templates/configmap.yaml: each config key there
+# is rendered, or reaches the process another way (listed with how).
+CHART_FILLS_OTHERWISE = {
+    "redis.password": "env CACHE_INDEXER_REDIS_PASSWORD from redis.passwordSecret",
+    "redis.passwordFile": "the env above instead of a mounted file",
+    "redis.sentinel.password": "env CACHE_INDEXER_REDIS_SENTINEL_PASSWORD",
+    "redis.sentinel.passwordFile": "the env above instead of a mounted file",
+}
+
+
+def test_every_redis_and_metrics_key_reaches_the_rendered_config(helm: Any) -> None:
+    """A new ``redis.*`` or ``metrics.*`` config key fails here until the ConfigMap template
+    renders it (or it is listed above with the way the chart gives it to the process)."""
+    secret = {"secret": "tls", "caKey": "ca.crt", "certKey": "tls.crt", "keyKey": "tls.key"}
+    docs = _render(
+        helm,
+        {
+            "redis": {
+                "enabled": False,
+                "url": "redis://ext:6379/0",
+                "tls": {"enabled": True, **secret},
+                "sentinel": {"addresses": ["s:26379"], "tls": {"enabled": True, **secret}},
+            }
+        },
+    )
+    (cm,) = [c for c in docs["ConfigMap"] if "config.yaml" in c["data"]]
+    rendered = _flatten(yaml.safe_load(cm["data"]["config.yaml"]))
+    schema = {p for p in _schema_paths(Config) if p.split(".")[0] in ("redis", "metrics")}
+    assert set(CHART_FILLS_OTHERWISE) <= schema, "a listed key the config no longer has"
+    wanted = schema - set(CHART_FILLS_OTHERWISE)
+    assert wanted - set(rendered) == set(), "config keys the chart's ConfigMap never renders"
