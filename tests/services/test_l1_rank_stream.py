@@ -289,6 +289,21 @@ def test_a_replay_that_times_out_writes_the_held_batch_as_a_gap(rig: Rig) -> Non
     assert rig.store.last_seq(IP, 0) == 2 and rig.gap_fields() == {"gap:0": "1"}
 
 
+def test_a_malformed_replay_reply_is_dropped_counted_and_the_replay_goes_on(rig: Rig) -> None:
+    rig.register()
+    pub = rig.publisher()
+    stream = rig.stream()
+    live(stream, pub, 1)  # 0
+    pub.publish()  # 1 lost
+    live(stream, pub, 1)  # 2: a gap, replayed
+    pub.garbled = [[b"kv", b"\x00" * 4, b"x"], [b"a", b"b", b"c", b"d"]]  # 4-byte seq; 5 frames
+    drive(stream, pub)
+    assert value_of(rig.metrics.malformed_frames, reason="replay_framing") == 2
+    assert value_of(rig.metrics.replays, result="complete") == 1
+    assert rig.members() == {pub.hash_of(s) for s in range(3)}
+    assert value_of(rig.metrics.gaps, outcome="recovered") == 1 and rig.gap_fields() == {}
+
+
 # -- restarts --------------------------------------------------------------------------------
 
 
