@@ -390,10 +390,6 @@ class Store:
         replies = done if cluster else (pipe.execute() if updates else [])
         return [bool(int(r)) for r in replies]
 
-    def last_seq(self, ip: str, rank: int) -> int | None:
-        value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")
-        return None if value is None else int(value)
-
     def cursor(self, ip: str, rank: int) -> StoredCursor:
         """The rank's stored cursor (one HMGET)."""
         return self.cursors([(ip, rank)])[0]
