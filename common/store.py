@@ -296,25 +296,25 @@ class Store:
 
     # -- leases -----------------------------------------------------------------------
 
-    def claim_lease(self, key: str, holder: str, ttl_ms: int) -> bool:
+    def _claim_lease(self, key: str, holder: str, ttl_ms: int) -> bool:
         """Take or renew a lease key; False while another holder has it."""
         return bool(self._claim(keys=[key], args=[holder, int(ttl_ms)]))
 
-    def release_lease(self, key: str, holder: str) -> bool:
+    def _release_lease(self, key: str, holder: str) -> bool:
         return bool(self._release(keys=[key], args=[holder]))
 
     def claim_discovery_lease(self, holder: str, ttl_ms: int) -> bool:
-        return self.claim_lease(keys.lease("discovery"), holder, ttl_ms)
+        return self._claim_lease(keys.lease("discovery"), holder, ttl_ms)
 
     def release_discovery_lease(self, holder: str) -> bool:
-        return self.release_lease(keys.lease("discovery"), holder)
+        return self._release_lease(keys.lease("discovery"), holder)
 
     def claim_instance(self, ip: str, holder: str, ttl_ms: int) -> bool:
         """Become (or stay) the one L1 ingester allowed to write ``ip``."""
-        return self.claim_lease(keys.l1_owner(ip), holder, ttl_ms)
+        return self._claim_lease(keys.l1_owner(ip), holder, ttl_ms)
 
     def release_instance(self, ip: str, holder: str) -> bool:
-        return self.release_lease(keys.l1_owner(ip), holder)
+        return self._release_lease(keys.l1_owner(ip), holder)
 
     def heartbeat_ingester(self, ingester_id: str, ttl_ms: int) -> list[str]:
         """Record this ingester as alive; return the ids of all live ingesters, sorted."""
