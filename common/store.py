@@ -111,10 +111,7 @@ class ApplyResult:
     """What one fenced batch write did (the fields of ``store_lua.APPLY_BATCH_REPLY``)."""
 
     status: BatchStatus
-    stored: int = 0
-    removed: int = 0
     unknown_removes: int = 0
-    cleared: int = 0
 
 
 @dataclass(frozen=True)
@@ -353,7 +350,7 @@ class Store:
         """
         if ip not in self._layout_checked:
             if int(self._upgrade(keys=_instance_keys(ip), args=_rank_prefixes(ip))):
-                return ApplyResult(BatchStatus.STALE_GEN, 0, 0, 0, 0)
+                return ApplyResult(BatchStatus.STALE_GEN)
             self._layout_checked.add(ip)
         argv = [
             *_rank_prefixes(ip),
