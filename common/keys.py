@@ -42,9 +42,6 @@ INSTANCES = f"{PREFIX}:instances"
 MASTERS = f"{PREFIX}:masters"
 INGESTERS = f"{PREFIX}:ingesters"
 
-TIERS = ("l1", "l2")
-"""Event-fed tiers: ``l1`` = GPU medium, ``l2`` = other media (CPU, STORAGE)."""
-
 
 def _tag(ip: str) -> str:
     return f"{PREFIX}:{{{ip}}}"

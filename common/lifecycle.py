@@ -55,10 +55,6 @@ class Backoff:
     def reset(self) -> None:
         self._attempt = 0
 
-    @property
-    def failures(self) -> int:
-        return self._attempt
-
 
 class StateLog:
     """Logs a component's state only when it changes (e.g. 'connected' → 'down')."""

@@ -92,21 +92,6 @@ class _Metric:
             child = self._by_values[key] = self._metric.labels(*key)
         return child
 
-    def _read(self, labels: dict[str, str], suffix: str) -> float:
-        """This process's current value of the series (0 if never recorded)."""
-        if self._buffers is not None:
-            self._buffers.flush()
-        if (
-            self.labels
-            and tuple([str(labels.get(n, "")) for n in self.labels]) not in self._by_values
-        ):
-            return 0.0
-        for family in self._child(labels).collect():
-            for sample in family.samples:
-                if sample.name == self.name + suffix:
-                    return float(sample.value)
-        return 0.0
-
 
 class Counter(_Metric):
     def _buffered(self, child: Any) -> Flushable | None:
@@ -117,9 +102,6 @@ class Counter(_Metric):
             raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
         self._get(labels).inc(amount)
 
-    def value(self, **labels: str) -> float:
-        return self._read(labels, "_total")
-
 
 class Gauge(_Metric):
     def set(self, value: float, **labels: str) -> None:
@@ -127,9 +109,6 @@ class Gauge(_Metric):
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         self._get(labels).inc(amount)
-
-    def value(self, **labels: str) -> float:
-        return self._read(labels, "")
 
 
 class Histogram(_Metric):
@@ -141,10 +120,6 @@ class Histogram(_Metric):
 
     def observe(self, value: float, **labels: str) -> None:
         self._get(labels).observe(value)
-
-    def count(self, **labels: str) -> float:
-        """Observations so far in this process."""
-        return self._read(labels, "_count")
 
 
 class Registry:

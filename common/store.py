@@ -110,10 +110,7 @@ class ApplyResult:
     """What one fenced batch write did (the fields of ``store_lua.APPLY_BATCH_REPLY``)."""
 
     status: BatchStatus
-    stored: int = 0
-    removed: int = 0
     unknown_removes: int = 0
-    cleared: int = 0
 
 
 @dataclass(frozen=True)
@@ -294,25 +291,25 @@ class Store:
 
     # -- leases -----------------------------------------------------------------------
 
-    def claim_lease(self, key: str, holder: str, ttl_ms: int) -> bool:
+    def _claim_lease(self, key: str, holder: str, ttl_ms: int) -> bool:
         """Take or renew a lease key; False while another holder has it."""
         return bool(self._claim(keys=[key], args=[holder, int(ttl_ms)]))
 
-    def release_lease(self, key: str, holder: str) -> bool:
+    def _release_lease(self, key: str, holder: str) -> bool:
         return bool(self._release(keys=[key], args=[holder]))
 
     def claim_discovery_lease(self, holder: str, ttl_ms: int) -> bool:
-        return self.claim_lease(keys.lease("discovery"), holder, ttl_ms)
+        return self._claim_lease(keys.lease("discovery"), holder, ttl_ms)
 
     def release_discovery_lease(self, holder: str) -> bool:
-        return self.release_lease(keys.lease("discovery"), holder)
+        return self._release_lease(keys.lease("discovery"), holder)
 
     def claim_instance(self, ip: str, holder: str, ttl_ms: int) -> bool:
         """Become (or stay) the one L1 ingester allowed to write ``ip``."""
-        return self.claim_lease(keys.l1_owner(ip), holder, ttl_ms)
+        return self._claim_lease(keys.l1_owner(ip), holder, ttl_ms)
 
     def release_instance(self, ip: str, holder: str) -> bool:
-        return self.release_lease(keys.l1_owner(ip), holder)
+        return self._release_lease(keys.l1_owner(ip), holder)
 
     def heartbeat_ingester(self, ingester_id: str, ttl_ms: int) -> list[str]:
         """Record this ingester as alive; return the ids of all live ingesters, sorted."""
@@ -351,7 +348,7 @@ class Store:
         """
         if ip not in self._layout_checked:
             if int(self._upgrade(keys=_instance_keys(ip), args=_rank_prefixes(ip))):
-                return ApplyResult(BatchStatus.STALE_GEN, 0, 0, 0, 0)
+                return ApplyResult(BatchStatus.STALE_GEN)
             self._layout_checked.add(ip)
         argv = [
             *_rank_prefixes(ip),
@@ -387,10 +384,6 @@ class Store:
             done.append(self._l1_status(keys=_instance_keys(u.ip), args=argv, client=pipe))
         replies = done if cluster else (pipe.execute() if updates else [])
         return [bool(int(r)) for r in replies]
-
-    def last_seq(self, ip: str, rank: int) -> int | None:
-        value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")
-        return None if value is None else int(value)
 
     def cursor(self, ip: str, rank: int) -> StoredCursor:
         """The rank's stored cursor (one HMGET)."""

@@ -129,19 +129,17 @@ local function remove_copy(set, x, h, ri)
   return ri == 1 and redis.call('SREM', set, h) == 1
 end
 
--- AllBlocksCleared of one rank in one group; returns the number of distinct hashes it held.
+-- AllBlocksCleared of one rank in one group.
 -- Rank 0: the set is dropped and the hashes with copies on other ranks are put back
 -- (O(set) to free, O(copies hash) to rebuild). Other ranks: O(copies hash) only.
 local function clear_rank_group(tier, g, rank)
   local set, x = tier_keys(tier, g)
   local ri = tonumber(rank) + 1
   local flat = redis.call('HGETALL', x)
-  local cleared, keep = 0, {}
-  if ri == 1 then cleared = redis.call('SCARD', set) - #flat / 2 end
+  local keep = {}
   for i = 1, #flat, 2 do
     local h, t = flat[i], decode(flat[i + 1])
     if (t[ri] or 0) > 0 then
-      cleared = cleared + 1
       t[ri] = 0
       if ri > 1 then put(set, x, h, t) end
     end
@@ -161,14 +159,11 @@ local function clear_rank_group(tier, g, rank)
       redis.call('SADD', set, unpack(keep, i, math.min(i + 999, #keep)))
     end
   end
-  return cleared
 end
 
 -- AllBlocksCleared of one rank: every group of the tier.
 local function clear_rank(tier, rank)
-  local cleared = 0
-  for _, g in ipairs(event_groups()) do cleared = cleared + clear_rank_group(tier, g, rank) end
-  return cleared
+  for _, g in ipairs(event_groups()) do clear_rank_group(tier, g, rank) end
 end
 
 local function known_ranks()
@@ -307,7 +302,7 @@ return 0
 """
 )
 
-APPLY_BATCH_REPLY = ("status", "stored", "removed", "unknown_removes", "cleared")
+APPLY_BATCH_REPLY = ("status", "unknown_removes")
 """The fields of APPLY_BATCH's reply, in order (``common.store.ApplyResult``'s, a test checks
 that they and every ``return {…}`` of the script agree)."""
 
@@ -324,28 +319,28 @@ APPLY_BATCH = (
 -- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
 -- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
 -- (0 = derive), chunk (0 = unknown), dp size).
--- Returns APPLY_BATCH_REPLY: {status, stored, removed, unknown_removes, cleared}; status 1
+-- Returns APPLY_BATCH_REPLY: {status, unknown_removes}; status 1
 -- applied, 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
 -- changed (the instance was reset: new generation, reset_reason in the state hash), -4 the
 -- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
 -- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
-if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0, 0, 0, 0} end
-if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0, 0, 0, 0} end
+if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0} end
+if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0} end
 local rank, seq = ARGV[5], tonumber(ARGV[6])
 local seqf, digf = 'seq:' .. rank, 'dig:' .. rank
 -- The cursor fence: a batch follows the batch the writer applied last, so it is refused if
 -- the store no longer holds exactly that one (a reset does not depend on what is stored).
 if ARGV[7] ~= '1' and ARGV[9] ~= '*' then
   local cur = redis.call('HMGET', K.l1_state, seqf, digf)
-  if (cur[1] or '-1') ~= ARGV[9] or (cur[2] or '') ~= ARGV[10] then return {-4, 0, 0, 0, 0} end
+  if (cur[1] or '-1') ~= ARGV[9] or (cur[2] or '') ~= ARGV[10] then return {-4, 0} end
 end
-local cleared = 0
 if ARGV[7] == '1' then
-  cleared = clear_rank('l1', rank) + clear_rank('l2', rank)
+  clear_rank('l1', rank)
+  clear_rank('l2', rank)
   redis.call('HDEL', K.l1_state, seqf, digf)
 end
 local last = redis.call('HGET', K.l1_state, seqf)
-if last and seq <= tonumber(last) then return {0, 0, 0, 0, cleared} end
+if last and seq <= tonumber(last) then return {0, 0} end
 -- Descriptors first, before any write: a kind or window that changed within a generation
 -- means the engine is not the one indexed (or the index is wrong): reset, never mix.
 local learned = {}
@@ -361,7 +356,7 @@ while i <= #ARGV do
     if kind ~= '-' and ck ~= '-' and (kind ~= ck or w ~= cw) then
       reset_instance(string.format('KV-cache group %s changed from %s to %s,%d,%s', g,
                                    cur, kind, b, w))
-      return {-3, 0, 0, 0, 0}
+      return {-3, 0}
     end
     if ck == '-' then ck, cw = kind, w end
     if b > 0 and (cm == 0 or b < cm) then cm = b end
@@ -378,21 +373,20 @@ for f, v in pairs(learned) do
   if redis.call('HGET', K.l1_groups, f) ~= v then redis.call('HSET', K.l1_groups, f, v) end
 end
 if ARGV[8] == '1' then redis.call('HINCRBY', K.l1_state, 'gap:' .. rank, 1) end
-local stored, removed, unknown = 0, 0, 0
+local unknown = 0
 local ri = tonumber(rank) + 1
 i = 12
 while i <= #ARGV do
   local op, tier, g, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
   if op == 'C' then
-    cleared = cleared + clear_rank(tier, rank)
+    clear_rank(tier, rank)
   elseif op == 'S' then
     local set, x = tier_keys(tier, g)
     for j = i + 4, i + 3 + n do store_copy(set, x, ARGV[j], ri) end
-    stored = stored + n
   elseif op == 'R' then
     local set, x = tier_keys(tier, g)
     for j = i + 4, i + 3 + n do
-      if remove_copy(set, x, ARGV[j], ri) then removed = removed + 1 else unknown = unknown + 1 end
+      if not remove_copy(set, x, ARGV[j], ri) then unknown = unknown + 1 end
     end
   end
   i = i + 4 + n
@@ -400,7 +394,7 @@ end
 redis.call('HSET', K.l1_state, seqf, ARGV[6])
 if ARGV[11] ~= '' then redis.call('HSET', K.l1_state, digf, ARGV[11])
 else redis.call('HDEL', K.l1_state, digf) end
-return {1, stored, removed, unknown, cleared}
+return {1, unknown}
 """
 )
 

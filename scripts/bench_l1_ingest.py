@@ -11,7 +11,7 @@ Starts its own redis-server and one ingester (static shard 0/1) on free loopback
    Redis.
 2. **Lag.** At a steady ``--rate`` batches/s for ``--lag-seconds``, the time from
    ``publish()`` to the batch's sequence being visible in Redis (this process polls
-   ``Store.last_seq`` in a tight loop): p50 / p99 / max.
+   ``OracleStore.last_seq`` in a tight loop): p50 / p99 / max.
 
 3. **Hash self-check cost** (``ingest.l1.hashCheckRate``). The throughput run repeated
    with the check off (rate 0), at the default budget and at an unbounded one
@@ -44,9 +44,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.events import BlockRemoved, BlockStored, Event
-from common.store import Instance, Store
+from common.store import Instance
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
+from tests.store_oracle import OracleStore
 
 from bench_util import free_port, stop, wait_for
 
@@ -115,7 +116,7 @@ Runs = dict[int, list[tuple[float, float]]]
 def check_comparison(
     workdir: Path,
     url: str,
-    store: Store,
+    store: OracleStore,
     batches: int,
     per_step: int,
     rates: list[int],
@@ -209,7 +210,7 @@ def _sim(batches: int, block_size: int) -> SimulatedVLLM:
     )
 
 
-def _register(store: Store, sim: SimulatedVLLM, uid: str) -> None:
+def _register(store: OracleStore, sim: SimulatedVLLM, uid: str) -> None:
     store.upsert_instance(
         Instance(
             ip=IP,
@@ -236,7 +237,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def throughput(
-    store: Store, batches: int, per_step: int, uid: str = "uid-throughput", pid: int | None = None
+    store: OracleStore,
+    batches: int,
+    per_step: int,
+    uid: str = "uid-throughput",
+    pid: int | None = None,
 ) -> dict[str, float]:
     sim = _sim(batches, 16)
     _register(store, sim, uid)
@@ -287,7 +292,7 @@ def raw_sadd(client: redis.Redis, members: int) -> float:
     return members / elapsed
 
 
-def lag(store: Store, rate: float, seconds: float, per_step: int) -> list[float]:
+def lag(store: OracleStore, rate: float, seconds: float, per_step: int) -> list[float]:
     sim = _sim(int(rate * seconds) + 10, 16)
     _register(store, sim, "uid-lag")
     workload = Workload("mixed", prompts=64, prompt_len=512, block_size=16, seed=2)
@@ -346,7 +351,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-l1-"))
     rds, ingester, url = _start(workdir)
     client = redis.Redis.from_url(url)
-    store = Store(client)
+    store = OracleStore(client)
     try:
         if args.check_only:
             stop(ingester)

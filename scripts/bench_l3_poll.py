@@ -73,6 +73,7 @@ from services.l3_poller.poller import MasterPoller  # noqa: E402
 from services.l3_poller.writer import L3Writer  # noqa: E402
 from tests.conftest import RedisServer  # noqa: E402
 from tests.fake_master import FakeMaster  # noqa: E402
+from tests.metrics_oracle import value_of  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_l3_formats  # noqa: E402
@@ -220,7 +221,7 @@ def real_master(n_keys: int) -> dict[str, Any]:
             t = time.perf_counter()
             assert writer.publish(url, view, owner=poller)
             out[name]["redis_write_s"] = time.perf_counter() - t
-        out["located"] = metrics.keys_located.value(master=url)
+        out["located"] = value_of(metrics.keys_located, master=url)
         return out
     finally:
         for c in clients:
@@ -281,13 +282,13 @@ class Bench:
         return poller
 
     def poll(self, poller: MasterPoller, name: str, write: bool = True) -> None:
-        located = self.metrics.keys_located.value(master=self.url)
+        located = value_of(self.metrics.keys_located, master=self.url)
         wall, cpu = time.perf_counter(), time.process_time()
         view = poller.poll_once()
         row = {
             "wall_s": time.perf_counter() - wall,
             "cpu_s": time.process_time() - cpu,
-            "located": self.metrics.keys_located.value(master=self.url) - located,
+            "located": value_of(self.metrics.keys_located, master=self.url) - located,
             "blocks": view.blocks.complete,
         }
         if write:

@@ -28,6 +28,11 @@ class OracleStore(Store):
     def l1_state(self, ip: str) -> dict[str, str]:
         return text_dict(self.r.hgetall(keys.l1_state(ip)))
 
+    def last_seq(self, ip: str, rank: int) -> int | None:
+        """The rank's last applied sequence (``seq:<rank>`` of the l1 state hash)."""
+        value = self.r.hget(keys.l1_state(ip), f"seq:{int(rank)}")
+        return None if value is None else int(value)
+
     def groups(self, ip: str) -> dict[str, str]:
         """The instance's group descriptors and hash-unit settings (``keys.l1_groups``)."""
         return text_dict(self.r.hgetall(keys.l1_groups(ip)))

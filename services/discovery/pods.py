@@ -1,8 +1,7 @@
 """Pure pod classification: which pods are vLLM instances or Mooncake masters, and their identity.
 
 Input is a pod as the API server sends it — the camelCase JSON dict that list and watch
-return — or a ``V1Pod`` (turned into that dict by the client's serializer), so every rule
-here is unit-tested with plain dicts. No I/O.
+return — so every rule here is unit-tested with plain dicts. No I/O.
 
 Rules (the label keys and values come only from ``discovery.labels``):
 
@@ -38,16 +37,6 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_KEY = re.compile(
     r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
-
-
-def as_dict(pod: Any) -> dict[str, Any]:
-    """The API JSON form of ``pod`` (a dict already, or a kubernetes ``V1Pod``)."""
-    if isinstance(pod, Mapping):
-        return dict(pod)
-    from kubernetes.client import ApiClient  # only V1Pod callers pay for the import
-
-    raw: dict[str, Any] = ApiClient().sanitize_for_serialization(pod)  # type: ignore[no-untyped-call]
-    return raw
 
 
 def label_problems(labels: Labels) -> list[str]:

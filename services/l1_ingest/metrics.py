@@ -51,7 +51,7 @@ class IngestMetrics:
         )
         self.malformed_frames = r.counter(
             "cache_indexer_l1_malformed_frames_total",
-            "ZMQ messages dropped unapplied, by reason (framing, not_a_batch)",
+            "ZMQ messages dropped unapplied, by reason (framing, replay_framing, not_a_batch)",
             ("reason",),
         )
         self.skipped_media = r.counter(

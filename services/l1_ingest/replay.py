@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -50,13 +51,18 @@ class ReplayRequest:
     """
 
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int, timeout: float
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        start_seq: int,
+        timeout: float,
+        on_malformed: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.endpoint = endpoint
         self.start_seq = start_seq
         self.deadline = time.monotonic() + timeout
         self.batches: list[tuple[int, bytes]] = []
-        self.malformed = 0
+        self.on_malformed = on_malformed
         self.done = False
         self.complete = False
         self.socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
@@ -80,7 +86,7 @@ class ReplayRequest:
             try:
                 item = parse_reply(frames)
             except DecodeError as exc:
-                self.malformed += 1
+                self.on_malformed(exc.reason)
                 logger.error("replay from %s: dropped a reply: %s", self.endpoint, exc)
                 continue
             if item is None:
@@ -104,15 +110,3 @@ class ReplayRequest:
         if not self.done:
             self.done = True
             self.socket.close(linger=0)
-
-
-def fetch_replay(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int, timeout: float
-) -> ReplayRequest:
-    """Blocking form for tools and tests: run one request to its end marker or deadline."""
-    request = ReplayRequest(ctx, endpoint, start_seq, timeout)
-    poller = zmq.Poller()
-    poller.register(request.socket, zmq.POLLIN)
-    while not request.read() and not request.expired():
-        poller.poll(max(1, int((request.deadline - time.monotonic()) * 1000)))
-    return request

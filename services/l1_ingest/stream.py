@@ -321,13 +321,22 @@ class RankStream:
         if not self.replay_endpoint:
             return False
         try:
-            replay = ReplayRequest(self.ctx, self.replay_endpoint, start, self.replay_timeout)
+            replay = ReplayRequest(
+                self.ctx,
+                self.replay_endpoint,
+                start,
+                self.replay_timeout,
+                on_malformed=self._count_malformed,
+            )
         except zmq.ZMQError as exc:
             self._replay_state.set("unavailable", f"{exc}; gaps cannot be filled", logging.ERROR)
             return False
         self._replay_state.set("available")
         self.pending, self.replay = held, replay
         return True
+
+    def _count_malformed(self, reason: str) -> None:
+        self.metrics.malformed_frames.inc(reason=reason)
 
     def _write_run(self, batches: list[tuple[int, bytes]], *, counting_gap: bool) -> bool:
         """Write batches in sequence order; count the gap (if one was seen) by its outcome.

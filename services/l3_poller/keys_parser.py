@@ -198,16 +198,6 @@ def split_layer_tail(prefix: bytes, layer: bytes) -> tuple[bytes, bytes] | None:
     return None
 
 
-def parse_any(key: str, formats: tuple[str, ...] = FAMILIES) -> tuple[AnyNamespace, int] | None:
-    """Any supported key → (namespace, u64), or ``None``."""
-    split = split_key(key.encode("utf-8", "surrogateescape"))
-    if split is None:
-        return None
-    prefix, layer, u64 = split
-    ns = parse_prefix(prefix.decode("utf-8", "replace"), layer.decode(), formats)
-    return None if ns is None else (ns, u64)
-
-
 def is_url_safe(key: bytes) -> bool:
     """True when the key can be sent raw in a query string (see ``_URL_SAFE``)."""
     return _URL_SAFE.fullmatch(key) is not None

@@ -20,12 +20,12 @@ import httpx
 import yaml
 
 from common.blockhash import BlockHasher, HashSettings
-from common.store import Store
 from services.simulator.cache_model import Request
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.workload import Workload
 from tests.conftest import ROOT, reserve_port, wait_for
 from tests.fake_master import FakeMaster
+from tests.store_oracle import OracleStore
 
 BLOCK = 16
 MODEL = "Qwen2.5-0.5B-Instruct"
@@ -139,7 +139,7 @@ class Fleet:
             sim.close()
 
 
-def mismatches(api: int, fleet: Fleet, store: Store, limit: int = 5) -> list[str]:
+def mismatches(api: int, fleet: Fleet, store: OracleStore, limit: int = 5) -> list[str]:
     """What differs from the publishers' truth (empty: every probe of every instance equals
     it): each rank's stored sequence, then every served prompt's L1 and L3 ratio as the API
     answers them. ``store`` must reach the current master."""
@@ -193,7 +193,7 @@ def _probe(
     return wrong
 
 
-def answers_match(api: int, fleet: Fleet, store: Store) -> bool:
+def answers_match(api: int, fleet: Fleet, store: OracleStore) -> bool:
     """Every probe of every instance equals the publishers' truth (see :func:`mismatches`)."""
     return not mismatches(api, fleet, store, limit=1)
 
@@ -204,7 +204,7 @@ def start_stack(
     env: dict[str, str],
     redis: dict[str, Any],
     fleet: Fleet,
-    store: Store,
+    store: OracleStore,
 ) -> int:
     """Every process on ``redis`` for ``fleet``; returns the API's port once it is ready and
     every pod is registered."""
@@ -222,7 +222,7 @@ def start_stack(
     return api
 
 
-def converge(api: int, fleet: Fleet, store: Store, timeout: float, what: str) -> float:
+def converge(api: int, fleet: Fleet, store: OracleStore, timeout: float, what: str) -> float:
     """Poll until every probe of every instance equals the truth; the seconds it took (for
     scripts/bench_failover.py to print: tests never assert a time). Fails after ``timeout``
     naming what still differs."""

@@ -24,6 +24,7 @@ from services.l1_ingest.sharding import StaticAssigner, run_assignment
 from services.l1_ingest.subscriber import Subscriber
 from services.simulator.engine import SimulatedVLLM
 from tests.conftest import ROOT, wait_for
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 FAST = {
@@ -102,7 +103,7 @@ class InProcessIngester:
         )
 
     def count(self, metric: str, **labels: str) -> float:
-        return float(getattr(self.metrics, metric).value(**labels))
+        return float(value_of(getattr(self.metrics, metric), **labels))
 
     def close(self) -> None:
         self.stop.set()

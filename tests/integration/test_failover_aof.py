@@ -23,10 +23,10 @@ from common import keys
 from common.config import Duration
 from common.config import Redis as RedisConfig
 from common.redis_client import connect
-from common.store import Store
 from tests.conftest import Node
 from tests.fake_master import FakeMaster
 from tests.integration.fleet import Fleet, converge, start_stack
+from tests.store_oracle import OracleStore
 
 IPS = ["127.0.0.51", "127.0.0.52"]
 BUSY, QUIET = IPS
@@ -62,7 +62,7 @@ def run_aof_crash(
 ) -> dict[str, float]:
     """The scenario; returns the seconds each phase took to converge."""
     cfg = RedisConfig(url=node.url, socket_timeout=Duration(1))
-    store = Store(connect(cfg, retries=3))
+    store = OracleStore(connect(cfg, retries=3))
     mooncake = FakeMaster("0.3.13").start()
     fleet = Fleet(IPS, mooncake)
     try:

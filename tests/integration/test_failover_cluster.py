@@ -23,11 +23,11 @@ from common import keys
 from common.config import Duration
 from common.config import Redis as RedisConfig
 from common.redis_client import connect
-from common.store import Store
 from tests.conftest import Node, wait_for
 from tests.fake_master import FakeMaster
 from tests.integration.fleet import Fleet, Publishing, converge, start_stack
 from tests.redis_nodes import Cluster
+from tests.store_oracle import OracleStore
 
 CONVERGE = 90.0
 CLUSTER_ARGS = ["--cluster-replica-validity-factor", "0"]
@@ -109,7 +109,7 @@ def run_cluster_lost_writes(
     busy, quiet = ips
     url = next(n.url for n in cluster.nodes if n.port not in (master_port, replica_port))
     cfg = RedisConfig(url=url, cluster=True, socket_timeout=Duration(1))
-    store = Store(connect(cfg, retries=3))
+    store = OracleStore(connect(cfg, retries=3))
     mooncake = FakeMaster("0.3.13").start()
     fleet = Fleet(ips, mooncake)
     try:

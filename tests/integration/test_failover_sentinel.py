@@ -30,11 +30,11 @@ from common import keys
 from common.config import Duration, RedisSentinel
 from common.config import Redis as RedisConfig
 from common.redis_client import connect
-from common.store import Store
 from tests.conftest import require, wait_for
 from tests.fake_master import FakeMaster
 from tests.integration.fleet import Fleet, Publishing, converge, start_stack
 from tests.redis_nodes import SENTINEL_MASTER, SentinelSet
+from tests.store_oracle import OracleStore
 
 IPS = ["127.0.0.31", "127.0.0.32"]
 """A busy pod and a quiet one."""
@@ -64,13 +64,13 @@ def fleet() -> Iterator[Fleet]:
     master.stop()
 
 
-def sentinel_store(s: SentinelSet) -> Store:
+def sentinel_store(s: SentinelSet) -> OracleStore:
     cfg = RedisConfig(
         sentinel=RedisSentinel(addresses=s.addresses, master_name=SENTINEL_MASTER),
         socket_timeout=Duration(1),
         connect_timeout=Duration(1),
     )
-    return Store(connect(cfg, retries=3))
+    return OracleStore(connect(cfg, retries=3))
 
 
 def fill_replication_link(client: redis.Redis, mb: int = 48) -> None:

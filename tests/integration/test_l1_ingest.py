@@ -33,6 +33,7 @@ from tests.integration.l1_support import (
     wait_quiet,
     warm_up,
 )
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 IP = "127.0.0.11"
@@ -291,7 +292,7 @@ def test_registry_changes_take_effect_without_restart(
     drive(second, 5, seed=9)
     assert_exact(store, IP, second)
     store.remove_instance(IP)
-    wait_for(lambda: ing.metrics.subscribed.value() == 0, what="the ingester to unsubscribe")
+    wait_for(lambda: value_of(ing.metrics.subscribed) == 0, what="the ingester to unsubscribe")
     drive(second, 3, seed=10)
     second.flush()
     assert store.last_seq(IP, 0) is None and store.tier_members(IP, "l1") == set()
@@ -526,7 +527,7 @@ def test_redis_outage_with_data_kept_converges(
         server.stop()
         drive(sim, 6, seed=6, drop_every=2)  # published while Redis is down
         wait_for(
-            lambda: ing.metrics.subscribed.value() == 0,
+            lambda: value_of(ing.metrics.subscribed) == 0,
             what="the failed write to close the subscription",
         )
         server.start()

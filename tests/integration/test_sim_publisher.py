@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,12 +16,24 @@ import zmq
 
 from common.blockhash import BlockHasher, HashSettings
 from common.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from services.l1_ingest.replay import fetch_replay
+from services.l1_ingest.replay import ReplayRequest
 from services.simulator.engine import SimulatedVLLM
 from services.simulator.publisher import Publisher, binds, offset_endpoint
 from services.simulator.shapes import state_hit_tokens
 from services.simulator.workload import Workload
 from tests.conftest import ROOT, child_env, reserve_ports, wait_for
+
+
+def fetch_replay(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int, timeout: float
+) -> ReplayRequest:
+    """The ingester's replay client, blocking: one request run to its end marker or deadline."""
+    request = ReplayRequest(ctx, endpoint, start_seq, timeout)
+    poller = zmq.Poller()
+    poller.register(request.socket, zmq.POLLIN)
+    while not request.read() and not request.expired():
+        poller.poll(max(1, int((request.deadline - time.monotonic()) * 1000)))
+    return request
 
 
 def test_bind_rule_and_offsets() -> None:

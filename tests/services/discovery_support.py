@@ -19,6 +19,7 @@ from services.discovery.main import build_source
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Reconciler, Source, run
 from tests.fake_kube import make_pod
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 ENGINE = {"openfuyao.com/engine": "vllm", "openfuyao.com/pdRole": "prefill"}
@@ -103,7 +104,7 @@ class RunningDiscovery:
         self.client.close()
 
     def count(self, metric: str, **labels: str) -> float:
-        return float(getattr(self.metrics, metric).value(**labels))
+        return float(value_of(getattr(self.metrics, metric), **labels))
 
     def writes(self) -> float:
         """Registry writes this loop made (every action)."""

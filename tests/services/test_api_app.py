@@ -21,6 +21,7 @@ from services.api.api_metrics import ApiMetrics
 from services.api.app import create_app, redis_client
 from services.api.hit_rate import UNREACHABLE
 from tests.conftest import DATA, reserve_port
+from tests.metrics_oracle import value_of
 
 BS = 16  # a small block size keeps the prompts short; the hashing is the same
 PATH = "/kv-cache/hit-rate"
@@ -440,7 +441,7 @@ def test_redis_down_is_500_without_a_stack_trace(dead_store: Store, hasher: Bloc
     result = _ask(_client(dead_store, hasher, metrics=metrics), [A], PROMPT)
     assert result.status_code == 500
     assert result.json == {"server_score_list": [], "status": 500, "message": UNREACHABLE}
-    assert metrics.redis_errors.value(op="hit_rate") == 1
+    assert value_of(metrics.redis_errors, op="hit_rate") == 1
 
 
 def test_health_and_readiness(

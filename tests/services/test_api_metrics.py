@@ -12,6 +12,7 @@ import pytest
 
 from services.api.api_metrics import ApiMetrics
 from tests.conftest import ROOT
+from tests.metrics_oracle import value_of
 
 PATH = "/kv-cache/hit-rate"
 
@@ -28,7 +29,7 @@ def test_without_a_shared_dir_a_worker_renders_its_own_registry() -> None:
         f'cache_indexer_api_request_duration_seconds_bucket{{le="0.005",path="{PATH}"}} 1.0' in text
     )
     assert "_created" not in text
-    assert metrics.requests.value(path=PATH, status="200") == 1
+    assert value_of(metrics.requests, path=PATH, status="200") == 1
 
 
 def test_the_gunicorn_master_does_not_import_prometheus_client() -> None:

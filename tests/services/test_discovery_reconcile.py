@@ -14,6 +14,7 @@ from common.store import Instance
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Desired, Reconciler
 from tests.conftest import reserve_port, wait_for
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 
@@ -37,22 +38,24 @@ def test_diff_writes_only_what_differs_and_unknown_parts_are_left_alone(
         )
     )
     assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"}
-    assert rec.metrics.changes.value(action="added") == 2
+    assert value_of(rec.metrics.changes, action="added") == 2
     rec.sync(
         Desired(
             {"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")},
             {"http://10.0.1.1:9003": "{}"},
         )
     )
-    assert rec.metrics.changes.value(action="masters") == 1, "an equal master set is not rewritten"
-    assert rec.metrics.changes.value(action="added") == 2
+    assert value_of(rec.metrics.changes, action="masters") == 1, (
+        "an equal master set is not rewritten"
+    )
+    assert value_of(rec.metrics.changes, action="added") == 2
 
     rec.sync(Desired(None, None))  # never listed: nothing is removed
     assert store.instance_ips() == {"10.0.0.1", "10.0.0.2"} and store.list_masters()
     rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1", role="prefill")}, None))
     assert store.instance_ips() == {"10.0.0.1"}
     assert store.get_instance("10.0.0.1").role == "prefill"  # type: ignore[union-attr]
-    assert rec.metrics.changes.value(action="updated") == 1
+    assert value_of(rec.metrics.changes, action="updated") == 1
     assert store.list_masters() == {"http://10.0.1.1:9003": "{}"}
 
 
@@ -65,7 +68,7 @@ def test_a_holder_whose_lease_expired_stops_writing(redis_client: redis.Redis) -
     assert redis_client.get(keys.lease("discovery")) == b"b"
     a.sync(Desired({}, None))  # would remove 10.0.0.1 if `a` still wrote
     assert not a.held and a.store.instance_ips() == {"10.0.0.1"}
-    assert a.metrics.lease_held.value() == 0
+    assert value_of(a.metrics.lease_held) == 0
     a.release()
     assert redis_client.get(keys.lease("discovery")) == b"b", "release never drops another's lease"
 

@@ -25,6 +25,7 @@ from common.store import BatchStatus, Instance, Store, StoredCursor
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
+from tests.metrics_oracle import value_of
 from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
 from tests.services.vllm_replay import FakePublisher
 from tests.store_oracle import OracleStore
@@ -66,13 +67,13 @@ def test_a_lost_write_refuses_the_next_batch_and_the_rank_is_replayed_from_the_s
     live(stream, pub, 1)  # 5
     roll_back(rig.store, after_3, members_3)  # 4 and 5 lost: 1 is back (an over-report)
     live(stream, pub, 1)  # 6: refused (the cursor moved), the rank re-syncs from 3
-    assert rig.metrics.batches.value(result=BatchStatus.CURSOR_MOVED) == 1
+    assert value_of(rig.metrics.batches, result=BatchStatus.CURSOR_MOVED) == 1
     assert stream.paused and stream.resyncing
     drive(stream, pub)
     assert pub.requests == [3]
     assert rig.members() == {pub.hash_of(s) for s in (0, 2, 3, 5, 6)}
     assert rig.store.cursor(IP, 0).seq == 6 and not stream.resyncing
-    assert rig.metrics.resyncs.value() == 1 and rig.metrics.restarts.value() == 0
+    assert value_of(rig.metrics.resyncs) == 1 and value_of(rig.metrics.restarts) == 0
     assert rig.gap_fields() == {}
 
 
@@ -89,7 +90,7 @@ def test_a_lost_write_without_replay_resets_the_rank_whatever_the_gap_policy(rig
     live(stream, pub, 1)  # 5
     assert rig.members() == {pub.hash_of(5)}
     assert rig.store.cursor(IP, 0).seq == 5 and rig.gap_fields() == {}
-    assert rig.metrics.resyncs.value() == 1 and not stream.resyncing
+    assert value_of(rig.metrics.resyncs) == 1 and not stream.resyncing
 
 
 def test_an_emptied_state_hash_resets_the_rank_and_replays_it_from_zero(rig: Rig) -> None:
@@ -102,7 +103,7 @@ def test_an_emptied_state_hash_resets_the_rank_and_replays_it_from_zero(rig: Rig
     drive(stream, pub)
     assert pub.requests == [0]
     assert rig.members() == {pub.hash_of(s) for s in range(5)}
-    assert rig.store.cursor(IP, 0).seq == 4 and rig.metrics.resyncs.value() == 1
+    assert rig.store.cursor(IP, 0).seq == 4 and value_of(rig.metrics.resyncs) == 1
 
 
 def test_a_lost_write_the_replay_buffer_no_longer_covers_resets_the_rank(rig: Rig) -> None:
@@ -154,7 +155,7 @@ def test_a_quiet_instance_notices_a_lost_write_and_re_syncs(redis_client: redis.
 
     try:
         sub.set_instances({IP: store.get_instance(IP)})  # type: ignore[dict-item]
-        until(lambda: metrics.connected.value() == 1, "the SUB socket connected")
+        until(lambda: value_of(metrics.connected) == 1, "the SUB socket connected")
 
         def published_live(seq: int) -> bool:
             if pub.next_seq <= seq:
@@ -171,7 +172,7 @@ def test_a_quiet_instance_notices_a_lost_write_and_re_syncs(redis_client: redis.
         until(lambda: store.last_seq(IP, 0) == 4, "re-synced from the stored seq 3")
         assert store.tier_members(IP) == {pub.hash_of(s) for s in (0, 2, 3)}
         until(lambda: state()["state"] == InstanceState.SYNCED, "synced again")
-        assert state()["resyncs"] == 1 and metrics.restarts.value() == 0
+        assert state()["resyncs"] == 1 and value_of(metrics.restarts) == 0
     finally:
         sub.close()
         pub.close()

@@ -19,6 +19,7 @@ from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.stream import RankStream
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_port, wait_for
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 IP = "10.1.2.3"
@@ -53,7 +54,7 @@ def test_a_write_for_a_stale_generation_raises_fenced(any_store: Store) -> None:
     with pytest.raises(FencedError) as caught:
         stream.on_live(1, _payload(2))
     assert caught.value.status == BatchStatus.STALE_GEN == "stale_gen"
-    assert metrics.batches.value(result="stale_gen") == 1  # the label value is unchanged
+    assert value_of(metrics.batches, result="stale_gen") == 1  # the label value is unchanged
     assert any_store.tier_members(IP) == set()
 
 

@@ -22,6 +22,7 @@ from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.status import ConnRound, StatusBoard
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
+from tests.metrics_oracle import value_of
 from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
 from tests.services.vllm_replay import FakePublisher
 from tests.store_oracle import OracleStore
@@ -49,7 +50,7 @@ def test_an_ingester_restart_during_a_vllm_restart_is_recognised_from_the_stored
     stream.on_connected()
     drive(stream, pub)
     assert pub.requests == [18, 0]
-    assert rig.metrics.restarts.value() == 1
+    assert value_of(rig.metrics.restarts) == 1
     assert rig.members() == {pub.hash_of(s) for s in range(25)}
 
 
@@ -72,7 +73,7 @@ def test_without_replay_a_short_lifetime_and_a_long_outage_is_a_possible_restart
     stream.on_connected()
     live(stream, pub, 1)  # 353
     assert rig.members() == {pub.hash_of(353)}  # nothing of lifetime 1 is credited
-    assert rig.metrics.restarts.value() == 1
+    assert value_of(rig.metrics.restarts) == 1
     doc = build_report(StatusReader(rig.store.r).read(), Limits())
     assert doc["instances"][0]["l1"]["lifetime_detail"] is None  # not written yet
     board.write([ConnRound(inst, ConnState.CONNECTED, "tcp://127.0.0.1:1", False)])
@@ -90,7 +91,7 @@ def test_without_replay_a_batch_that_follows_after_a_reconnect_is_not_a_restart(
     stream.on_connected()  # a reconnect, nothing missed
     live(stream, pub, 1)
     assert rig.members() == {pub.hash_of(s) for s in range(6)}
-    assert rig.metrics.restarts.value() == 0
+    assert value_of(rig.metrics.restarts) == 0
 
 
 def test_without_replay_a_gap_while_connected_still_follows_the_policy(rig: Rig) -> None:
@@ -103,7 +104,7 @@ def test_without_replay_a_gap_while_connected_still_follows_the_policy(rig: Rig)
     pub.publish()  # 3 lost
     live(stream, pub, 1)
     assert rig.members() == {pub.hash_of(s) for s in (0, 1, 2, 4)}
-    assert rig.gap_fields() == {"gap:0": "1"} and rig.metrics.restarts.value() == 0
+    assert rig.gap_fields() == {"gap:0": "1"} and value_of(rig.metrics.restarts) == 0
 
 
 def test_without_replay_a_new_session_after_a_vllm_restart_drops_the_old_lifetime(
@@ -119,7 +120,7 @@ def test_without_replay_a_new_session_after_a_vllm_restart_drops_the_old_lifetim
         pub.publish()
     stream = rig.stream()
     live(stream, pub, 1)  # 40
-    assert rig.members() == {pub.hash_of(40)} and rig.metrics.restarts.value() == 1
+    assert rig.members() == {pub.hash_of(40)} and value_of(rig.metrics.restarts) == 1
 
 
 def test_a_restarted_publisher_is_recognised_within_seconds_whatever_backoff_max_is(
@@ -154,12 +155,12 @@ def test_a_restarted_publisher_is_recognised_within_seconds_whatever_backoff_max
 
     try:
         sub.set_instances({IP: store.get_instance(IP)})  # type: ignore[dict-item]
-        until(lambda: metrics.connected.value() == 1, "connected")
+        until(lambda: value_of(metrics.connected) == 1, "connected")
         for _ in range(5):
             pub.publish()
         until(lambda: store.last_seq(IP, 0) == 4, "lifetime 1 indexed")
         pubs.pop().close()  # vLLM stops: sockets closed, no AllBlocksCleared
-        until(lambda: metrics.connected.value() == 0, "disconnected")
+        until(lambda: value_of(metrics.connected) == 0, "disconnected")
         deadline = time.monotonic() + 8
         until(lambda: time.monotonic() >= deadline, "the outage", timeout=20)
         new = FakePublisher(ctx, port + 1, pub_port=port)
@@ -174,7 +175,7 @@ def test_a_restarted_publisher_is_recognised_within_seconds_whatever_backoff_max
 
         until(new_lifetime, "only the new lifetime indexed", timeout=6)
         print(f"new lifetime recognised {time.monotonic() - started:.2f}s after its start")
-        assert metrics.restarts.value() >= 1
+        assert value_of(metrics.restarts) >= 1
     finally:
         sub.close()
         for p in pubs:

@@ -31,6 +31,7 @@ from services.l1_ingest.status import ConnRound, InstanceStatus, StatusBoard
 from services.l1_ingest.stream import RankStream
 from services.l1_ingest.subscriber import Subscriber
 from tests.conftest import reserve_ports, wait_for
+from tests.metrics_oracle import value_of
 from tests.services.vllm_replay import FakePublisher
 from tests.store_oracle import OracleStore
 
@@ -158,8 +159,8 @@ def test_live_batches_that_follow_are_written_one_by_one(rig: Rig) -> None:
     assert stream.replay is None and pub.requests == []  # nothing missing: no replay
     assert rig.store.last_seq(IP, 0) == 2
     assert rig.members() == {pub.hash_of(s) for s in range(3)}
-    assert rig.metrics.batches.value(result=BatchStatus.APPLIED) == 3
-    assert rig.metrics.gaps.value(outcome="recovered") == 0
+    assert value_of(rig.metrics.batches, result=BatchStatus.APPLIED) == 3
+    assert value_of(rig.metrics.gaps, outcome="recovered") == 0
 
 
 def test_joining_mid_stream_applies_the_first_batch_seen_without_a_gap(rig: Rig) -> None:
@@ -189,10 +190,10 @@ def test_a_first_connect_replays_from_zero_and_drops_the_live_copies(rig: Rig) -
     assert rig.members() == {pub.hash_of(s) for s in range(5)}
     for seq, data in queued[2:]:  # the live copies of replayed batches: duplicates
         stream.on_live(seq, data)
-    assert rig.metrics.batches.value(result=BatchStatus.DUPLICATE) == 3
+    assert value_of(rig.metrics.batches, result=BatchStatus.DUPLICATE) == 3
     live(stream, pub, 1)
     assert rig.store.last_seq(IP, 0) == 5 and pub.requests == [0]
-    assert rig.metrics.restarts.value() == 0 and rig.gap_fields() == {}
+    assert value_of(rig.metrics.restarts) == 0 and rig.gap_fields() == {}
 
 
 def test_a_first_connect_to_a_publisher_with_nothing_yet_starts_at_zero(rig: Rig) -> None:
@@ -209,7 +210,7 @@ def test_a_first_connect_to_a_publisher_with_nothing_yet_starts_at_zero(rig: Rig
     drive(stream, pub)
     assert pub.requests == [0, 0]
     assert rig.members() == {pub.hash_of(0), pub.hash_of(1)}
-    assert rig.metrics.gaps.value(outcome="recovered") == 1 and rig.gap_fields() == {}
+    assert value_of(rig.metrics.gaps, outcome="recovered") == 1 and rig.gap_fields() == {}
 
 
 def test_joining_a_trimmed_buffer_is_an_unrecoverable_gap(rig: Rig) -> None:
@@ -222,7 +223,7 @@ def test_joining_a_trimmed_buffer_is_an_unrecoverable_gap(rig: Rig) -> None:
     drive(stream, pub)
     assert rig.members() == {pub.hash_of(s) for s in (3, 4, 5)}
     assert rig.gap_fields() == {"gap:0": "1"}
-    assert rig.metrics.gaps.value(outcome="unrecoverable") == 1
+    assert value_of(rig.metrics.gaps, outcome="unrecoverable") == 1
 
 
 # -- gaps ------------------------------------------------------------------------------------
@@ -242,9 +243,9 @@ def test_a_gap_is_replayed_from_the_applied_seq_and_recovered(rig: Rig, framing:
     assert pub.requests == [1]  # from the applied seq itself: the continuity check
     assert rig.store.last_seq(IP, 0) == 4
     assert rig.members() == {pub.hash_of(s) for s in range(5)}
-    assert rig.metrics.gaps.value(outcome="recovered") == 1
-    assert rig.metrics.gaps.value(outcome="unrecoverable") == 0
-    assert rig.metrics.restarts.value() == 0 and rig.gap_fields() == {}
+    assert value_of(rig.metrics.gaps, outcome="recovered") == 1
+    assert value_of(rig.metrics.gaps, outcome="unrecoverable") == 0
+    assert value_of(rig.metrics.restarts) == 0 and rig.gap_fields() == {}
 
 
 @pytest.mark.parametrize(
@@ -272,8 +273,8 @@ def test_a_gap_replay_cannot_fill_follows_the_policy(
         assert rig.members() == {pub.hash_of(s) for s in after}
         assert rig.gap_fields() == {}
     assert rig.store.last_seq(IP, 0) == 5
-    assert rig.metrics.gaps.value(outcome="unrecoverable") == 1
-    assert rig.metrics.gaps.value(outcome="recovered") == 0
+    assert value_of(rig.metrics.gaps, outcome="unrecoverable") == 1
+    assert value_of(rig.metrics.gaps, outcome="recovered") == 0
 
 
 def test_a_replay_that_times_out_writes_the_held_batch_as_a_gap(rig: Rig) -> None:
@@ -284,8 +285,23 @@ def test_a_replay_that_times_out_writes_the_held_batch_as_a_gap(rig: Rig) -> Non
     pub.publish()  # 1 lost
     live(stream, pub, 1)  # 2
     drive(stream, pub, serve=False)  # the publisher never answers: the deadline ends it
-    assert rig.metrics.replays.value(result="timeout") == 1
+    assert value_of(rig.metrics.replays, result="timeout") == 1
     assert rig.store.last_seq(IP, 0) == 2 and rig.gap_fields() == {"gap:0": "1"}
+
+
+def test_a_malformed_replay_reply_is_dropped_counted_and_the_replay_goes_on(rig: Rig) -> None:
+    rig.register()
+    pub = rig.publisher()
+    stream = rig.stream()
+    live(stream, pub, 1)  # 0
+    pub.publish()  # 1 lost
+    live(stream, pub, 1)  # 2: a gap, replayed
+    pub.garbled = [[b"kv", b"\x00" * 4, b"x"], [b"a", b"b", b"c", b"d"]]  # 4-byte seq; 5 frames
+    drive(stream, pub)
+    assert value_of(rig.metrics.malformed_frames, reason="replay_framing") == 2
+    assert value_of(rig.metrics.replays, result="complete") == 1
+    assert rig.members() == {pub.hash_of(s) for s in range(3)}
+    assert value_of(rig.metrics.gaps, outcome="recovered") == 1 and rig.gap_fields() == {}
 
 
 # -- restarts --------------------------------------------------------------------------------
@@ -309,8 +325,8 @@ def test_a_restart_seen_first_on_the_live_stream_replays_the_new_lifetime_from_z
     assert pub.requests == [0]
     assert rig.members() == {pub.hash_of(s) for s in range(4)}  # the old lifetime is gone
     assert rig.store.last_seq(IP, 0) == 3
-    assert rig.metrics.restarts.value() == 1
-    assert rig.metrics.gaps.value(outcome="unrecoverable") == 0 and rig.gap_fields() == {}
+    assert value_of(rig.metrics.restarts) == 1
+    assert value_of(rig.metrics.gaps, outcome="unrecoverable") == 0 and rig.gap_fields() == {}
     live(stream, pub, 1)
     assert rig.store.last_seq(IP, 0) == 4 and pub.requests == [0]
 
@@ -324,7 +340,7 @@ def test_a_restart_to_seq_zero_on_the_live_stream_resets_without_a_replay(rig: R
     live(stream, pub, 2)  # 0, 1 of the new lifetime
     assert pub.requests == [] and stream.replay is None
     assert rig.members() == {pub.hash_of(0), pub.hash_of(1)}
-    assert rig.metrics.restarts.value() == 1 and rig.gap_fields() == {}
+    assert value_of(rig.metrics.restarts) == 1 and rig.gap_fields() == {}
 
 
 def _first_session(rig: Rig, pub: FakePublisher, n: int = 6) -> tuple[int, bytes]:
@@ -348,7 +364,7 @@ def test_a_restart_while_away_shows_as_other_bytes_at_the_applied_seq(rig: Rig) 
     stream.on_connected()
     drive(stream, pub)
     assert pub.requests == [5, 0]  # seq 5 came back with other bytes: replay from 0
-    assert rig.metrics.restarts.value() == 1
+    assert value_of(rig.metrics.restarts) == 1
     assert rig.members() == {pub.hash_of(s) for s in range(8)}
     assert rig.store.last_seq(IP, 0) == 7 and rig.gap_fields() == {}
 
@@ -367,7 +383,7 @@ def test_a_restart_while_away_shows_as_an_empty_catch_up(rig: Rig, with_digest: 
     stream.on_connected()
     drive(stream, pub)
     assert pub.requests == [5, 0]
-    assert rig.metrics.restarts.value() == 1
+    assert value_of(rig.metrics.restarts) == 1
     assert rig.members() == {pub.hash_of(s) for s in range(3)}
     assert rig.store.last_seq(IP, 0) == 2 and rig.gap_fields() == {}
 
@@ -390,7 +406,7 @@ def test_a_reconnect_to_a_publisher_with_nothing_new_is_not_a_restart(
     stream.on_connected()  # the SUB socket reconnected
     drive(stream, pub)
     assert pub.requests == [5]
-    assert rig.metrics.restarts.value() == 0
+    assert value_of(rig.metrics.restarts) == 0
     assert rig.members() == before == {pub.hash_of(s) for s in range(6)}
     assert rig.store.last_seq(IP, 0) == 5 and rig.gap_fields() == {}
     live(stream, pub, 1)
@@ -409,7 +425,7 @@ def test_a_live_seq_below_the_applied_one_in_a_new_session_is_a_restart(rig: Rig
     stream = rig.stream()
     live(stream, pub, 1)  # 2 <= 5
     drive(stream, pub)
-    assert rig.metrics.restarts.value() == 1 and pub.requests == [0]
+    assert value_of(rig.metrics.restarts) == 1 and pub.requests == [0]
     assert rig.members() == {pub.hash_of(s) for s in range(3)}
 
 
@@ -537,8 +553,8 @@ def test_the_subscriber_follows_a_publisher_through_a_restart_on_the_live_stream
             pub.publish(send=False)  # 0, 1 of the new lifetime never reach the SUB socket
         until(lambda: published_live(4), "the new lifetime replayed from 0, then live")
         assert store.tier_members(IP) == {pub.hash_of(s) for s in range(5)}
-        assert metrics.restarts.value() == 1
-        assert metrics.gaps.value(outcome="unrecoverable") == 0
+        assert value_of(metrics.restarts) == 1
+        assert value_of(metrics.gaps, outcome="unrecoverable") == 0
         assert 0 in pub.requests[1:]
     finally:
         sub.close()

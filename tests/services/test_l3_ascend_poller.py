@@ -12,6 +12,7 @@ from common import keys
 from common.config import Duration
 from tests.conftest import wait_for
 from tests.fake_master import FakeMaster
+from tests.metrics_oracle import value_of
 from tests.services.test_l3_poller import DIGESTS, INTS, POD_A, POD_B, POD_C, Harness
 from tests.unit.test_l3_groups import rehash
 
@@ -65,7 +66,7 @@ def test_tp2_normal_keys_per_segment_naming(
         assert h.members(POD_C) == set()
         m.remove(akey(1, 1))  # block 1 loses head 1: the prefix stops at block 1
         h.wait_members(POD_A, {INTS[0], INTS[2], INTS[3]})
-        assert h.metrics.keys_skipped.value(master=m.url, reason="unparsed") == 0
+        assert value_of(h.metrics.keys_skipped, master=m.url, reason="unparsed") == 0
     finally:
         m.stop()
 
@@ -101,7 +102,7 @@ def test_key_formats_narrow_and_say_so(
     h.register(POD_A)
     h.start(master)
     wait_for(
-        lambda: h.metrics.keys_skipped.value(master=master.url, reason="format_disabled") >= 1,
+        lambda: value_of(h.metrics.keys_skipped, master=master.url, reason="format_disabled") >= 1,
         what="the Ascend key skipped as disabled",
     )
     assert h.members(POD_A) == set()
@@ -145,7 +146,7 @@ def test_master_state_hash(
     ) == ("1", "0", "3", "0", "")
     assert state["sample_unparsed"] == junk[:200]
     assert int(state["updated_ms"]) > 1_600_000_000_000
-    assert h.metrics.keys_unparsed.value(master=master.url) == 1
+    assert value_of(h.metrics.keys_unparsed, master=master.url) == 1
     warned = [r for r in caplog.records if "no known key family" in r.getMessage()]
     assert len(warned) == 1 and "lmcache@Qwen" in warned[0].getMessage()
     master.remove(junk)
@@ -217,7 +218,7 @@ def test_main_hybrid_groups_and_an_unmappable_release(
         what="unmappable keys in the status",
     )
     assert (state["keys_unparsed"], state["blocks"]) == ("0", "0")
-    assert h.metrics.keys_unmappable_group.value(master=master.url) == 20
+    assert value_of(h.metrics.keys_unmappable_group, master=master.url) == 20
     warned = [r.getMessage() for r in caplog.records if "share no block hash" in r.getMessage()]
     assert len(warned) == 1 and f"{MODEL} group 1" in warned[0]
     master.set_keys(hybrid_keys(ep, "main"))
@@ -226,4 +227,4 @@ def test_main_hybrid_groups_and_an_unmappable_release(
         what="mappable again",
     )
     h.wait_members(POD_A, set(INTS[:8]))
-    assert h.metrics.keys_unmappable_group.value(master=master.url) == 0
+    assert value_of(h.metrics.keys_unmappable_group, master=master.url) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from services.l3_poller import poller as poller_mod
 from services.l3_poller.poller import L3Poller
 from tests.conftest import reserve_port, wait_for
 from tests.fake_master import FakeMaster
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 HASHER = BlockHasher(HashSettings())
@@ -119,8 +121,8 @@ def test_segment_scope_sets_and_steady_state(
     assert [p for p in master.requests if vkey(6) in p] == [f"/batch_query_keys?keys={vkey(6)}"]
     master.remove(vkey(0))
     h.wait_members(POD_A, {*INTS[1:4], INTS[6]})
-    assert h.metrics.keys_skipped.value(master=master.url, reason="unparsed") >= 1
-    assert h.metrics.locate_calls.value(master=master.url, endpoint="query_key") == 0
+    assert value_of(h.metrics.keys_skipped, master=master.url, reason="unparsed") >= 1
+    assert value_of(h.metrics.locate_calls, master=master.url, endpoint="query_key") == 0
 
 
 @pytest.mark.parametrize("metrics", [True, False])
@@ -179,7 +181,7 @@ def test_old_masters(harness_factory: Callable[..., Harness], version: str) -> N
         h.wait_members(POD_A, set(INTS[:4]))
         h.wait_members(POD_B, set(INTS[4:6]))
         by = "query_key" if version == "0.3.8" else "batch_query_keys"
-        assert h.metrics.locate_calls.value(master=m.url, endpoint=by) > 0
+        assert value_of(h.metrics.locate_calls, master=m.url, endpoint=by) > 0
         assert all("%" not in p for p in m.requests)
     finally:
         m.stop()
@@ -285,7 +287,7 @@ def test_faults_keep_state_then_drop_it(
     h.register(POD_A, POD_B)
     h.start(master)
     h.wait_members(POD_A, set(INTS[:4]))
-    errors = h.metrics.errors.value
+    errors = functools.partial(value_of, h.metrics.errors)
     if fault == "down":
         master.stop()
     else:
@@ -306,7 +308,7 @@ def test_faults_keep_state_then_drop_it(
     clock.now += 1.5  # staleAfter has passed since the last good poll
     h.wait_members(POD_A, set(), what="state dropped after staleAfter")
     assert h.store.l3_state(POD_A)["stale"] == "1"
-    assert h.metrics.master_stale.value(master=master.url) == 1
+    assert value_of(h.metrics.master_stale, master=master.url) == 1
     if fault == "down":
         revived = FakeMaster("0.3.13", port=port).start()
         revived.set_keys(master.keys)
@@ -414,8 +416,8 @@ def test_overlong_lines_and_malformed_locate_bodies(
         h.register(POD_A, POD_B)
         h.start(master)
         h.wait_members(POD_A, set(INTS[:4]))
-        assert h.metrics.keys_skipped.value(master=master.url, reason="too_long") >= 1
-        errors = h.metrics.errors.value
+        assert value_of(h.metrics.keys_skipped, master=master.url, reason="too_long") >= 1
+        errors = functools.partial(value_of, h.metrics.errors)
         master.fault = "one_line"
         wait_for(lambda: errors(master=master.url, reason="truncated") >= 1, what="truncated")
         master.fault = "bad_locate"

@@ -16,6 +16,7 @@ from common.store import Instance
 from services.l3_poller.index import Blocks
 from services.l3_poller.metrics import PollerMetrics
 from services.l3_poller.writer import L3Writer, MasterView
+from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
 POD_A, POD_B = "10.0.0.1", "10.0.0.2"
@@ -78,7 +79,7 @@ def test_pool_scope_skips_unchanged_sets(store: CountingStore) -> None:
     for polled in range(2, 5):  # steady state: same content, only the poll time moves
         assert writer.publish(MASTER, pool_view(writer, pool, polled), "owner")
     assert store.replaced == {POD_A: 1, POD_B: 1}
-    assert metrics.sets_written.value() == 2
+    assert value_of(metrics.sets_written) == 2
     assert store.l3_members(POD_A) == pool == store.l3_members(POD_B)
 
     pool.add(7)  # one block more: both sets rewritten
@@ -222,7 +223,7 @@ def test_a_rewrite_that_redis_lost_is_written_again_on_the_next_poll(
     assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 3), "owner")
     assert store.l3_members(POD_A) == {1, 2, 3} == store.l3_members(POD_B)
     assert store.l3_state(POD_A)["updated_ms"] == "3"
-    assert metrics.sets_lost.value() == 1
+    assert value_of(metrics.sets_lost) == 1
     replaced = dict(store.replaced)
     assert writer.publish(MASTER, pool_view(writer, {1, 2, 3}, 4), "owner")
     assert store.replaced == replaced, "healed: unchanged sets are skipped again"

@@ -59,10 +59,6 @@ class WedgingStore(Store):
         self.gate.pass_through()
         return super().list_instances()
 
-    def last_seq(self, ip: str, rank: int) -> int:
-        self.gate.pass_through()
-        return super().last_seq(ip, rank)
-
     def cursor(self, ip: str, rank: int) -> StoredCursor:  # what a new session reads now
         self.gate.pass_through()
         return super().cursor(ip, rank)
@@ -163,7 +159,7 @@ def test_l1_subscriber_loop(redis_client: redis.Redis, health: tuple[Health, Pro
     sub = Subscriber(store, L1IngestSettings(), IngestMetrics(), health=h)
     t = _thread(sub.run, stop)
     wait_for(lambda: probe.get("/healthz")[0] == 200, what="a live subscriber")
-    gate.close()  # the next subscription reads its cursor (last_seq) and hangs there
+    gate.close()  # the next subscription reads its cursor (Store.cursor) and hangs there
     sub.set_instances(
         {
             "127.0.0.9": Instance(

@@ -54,6 +54,9 @@ class FakePublisher:
         self.requests: list[int] = []
         """The start sequence of every well-formed replay request, in arrival order."""
         self.invalid = 0
+        self.garbled: list[list[bytes]] = []
+        """Replies (the frames after the empty delimiter) sent ahead of the next answer, then
+        forgotten: what no vLLM sends, for tests of the ingester's replay client."""
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(f"tcp://127.0.0.1:{replay_port}")
@@ -109,6 +112,9 @@ class FakePublisher:
             identity, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.requests.append(start_seq)
+            for garbled in self.garbled:
+                self.router.send_multipart([identity, b"", *garbled])
+            self.garbled = []
             for seq, data in list(self.buffer):
                 if seq >= start_seq:
                     self.router.send_multipart(

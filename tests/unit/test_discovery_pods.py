@@ -94,9 +94,8 @@ def test_v1pod_objects_classify_like_their_json() -> None:
     assert isinstance(model, client.V1Pod)
     started = model.status.container_statuses[0].state.running.started_at
     assert started == datetime(2024, 1, 1, tzinfo=UTC)
-    assert pods.vllm_instance(pods.as_dict(model), LABELS, VLLM) == pods.vllm_instance(
-        raw, LABELS, VLLM
-    )
+    as_json = client.ApiClient().sanitize_for_serialization(model)
+    assert pods.vllm_instance(as_json, LABELS, VLLM) == pods.vllm_instance(raw, LABELS, VLLM)
 
 
 def test_infernex_and_kserve_profiles_by_config_alone() -> None:

@@ -27,6 +27,7 @@ from services.l1_ingest.hashcheck import (
 from services.l1_ingest.metrics import IngestMetrics
 from services.simulator.cache_model import PrefixCacheModel, Request
 from tests.conftest import DATA
+from tests.metrics_oracle import value_of
 
 
 def _vectors() -> dict[str, Any]:
@@ -77,8 +78,8 @@ def test_vllm_capture_with_the_project_default_seed_names_seed_1(algo: str) -> N
     assert checker.detail == (
         f"the engine hashes with pythonHashSeed '1' and {algo}; the config says pythonHashSeed '0'"
     )
-    assert metrics.hash_check_hints.value(seed="1", algo=algo, extra_keys=UNTAGGED) == 1
-    assert metrics.hash_checks.value(result=MISMATCH) == checker.mismatch
+    assert value_of(metrics.hash_check_hints, seed="1", algo=algo, extra_keys=UNTAGGED) == 1
+    assert value_of(metrics.hash_checks, result=MISMATCH) == checker.mismatch
 
 
 def test_vllm_capture_with_the_other_algo_names_the_algo() -> None:

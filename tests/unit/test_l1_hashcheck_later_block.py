@@ -16,6 +16,7 @@ from common.blockhash import HashSettings, chain_digests, seed_none_hash, to_eve
 from common.events import BlockStored
 from services.l1_ingest.hashcheck import MISMATCH, TAGGED, UNTAGGED, HashChecker
 from services.l1_ingest.metrics import IngestMetrics
+from tests.metrics_oracle import value_of
 
 B = 16
 IMAGE = ("img-7f3a", 5)
@@ -62,7 +63,7 @@ def test_a_mismatch_first_seen_on_a_later_block_names_the_rule(
         f"the engine hashes with pythonHashSeed '0', {algo} and {rule_text}; the config "
         f"says vllmVersion {config} ({RULE_OF[config]} extra keys)"
     )
-    assert metrics.hash_check_hints.value(seed="0", algo=algo, extra_keys=RULE_OF[engine]) == 1
+    assert value_of(metrics.hash_check_hints, seed="0", algo=algo, extra_keys=RULE_OF[engine]) == 1
 
 
 def test_a_later_block_that_no_rule_explains_gets_no_hint() -> None:

@@ -13,8 +13,9 @@ import pytest
 from common.config import model_basename
 from services.l3_poller.completeness import ModelPin, pins_by_model
 from services.l3_poller.index import MasterIndex, SegmentMap
-from services.l3_poller.keys_parser import AscendNamespace, parse_any
+from services.l3_poller.keys_parser import AscendNamespace
 from tests.conftest import DATA
+from tests.keys_oracle import parse_any
 
 GOLDEN = json.loads((DATA / "ascend" / "golden_keys.json").read_text())
 NO_SEGMENTS = SegmentMap([], None)
