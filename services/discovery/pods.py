@@ -198,9 +198,7 @@ def _vllm_container(pod: Pod, zmq_port_name: str) -> str:
 
 
 def _epoch(value: Any) -> float:
-    """RFC 3339 string (API JSON) or datetime (V1Pod) → epoch seconds; 0 when absent."""
-    if isinstance(value, datetime):
-        return value.timestamp()
+    """RFC 3339 string (the API's JSON) → epoch seconds; 0 when absent or unreadable."""
     if isinstance(value, str) and value:
         try:
             return datetime.fromisoformat(value).timestamp()
