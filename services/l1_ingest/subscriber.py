@@ -44,8 +44,8 @@ from common.store import Instance, StoredCursor
 from services.l1_ingest.apply import GroupSettings
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.status import ConnRound, StatusBoard, StatusWriter, worst
-from services.l1_ingest.rank_conn import RankConn, SocketKind
 from services.l1_ingest.batch import BatchWriter
+from services.l1_ingest.rank_conn import RankConn, SocketKind
 from services.l1_ingest.stream import RankStream
 
 logger = logging.getLogger(__name__)
