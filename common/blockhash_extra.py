@@ -173,6 +173,15 @@ def plan(
     return ExtraPlan(blocks, None, None, special)
 
 
+def check(vllm_version: Version, inputs: HashInputs, n_tokens: int) -> None:
+    """ValueError if ``inputs`` cannot be hashed for this vLLM over a prompt of ``n_tokens``
+    tokens (what :func:`plan` would refuse), without hashing anything."""
+    inputs.check_prompt(n_tokens)
+    _lora_keys(vllm_version, inputs.lora_name, inputs.lora_path, tags_extra_keys(vllm_version))
+    if inputs.lookahead and vllm_version < _LOOKAHEAD_SINCE:
+        raise ValueError("vLLM < 0.33 does not hash lookahead tokens (lookahead must be 0)")
+
+
 def _lora_keys(version: Version, name: str | None, path: str | None, tagged: bool) -> list[object]:
     if not name:  # an empty name means no LoRA
         if path:
@@ -187,7 +196,10 @@ def _lora_keys(version: Version, name: str | None, path: str | None, tagged: boo
     if not tagged:
         return [name]
     if not path:
-        raise ValueError("vLLM >= 0.31 hashes the LoRA adapter path: lora_path is required")
+        shown = ".".join(map(str, version))
+        raise ValueError(
+            f"vLLM {shown} hashes the LoRA adapter's path too (since 0.31): lora_path is required"
+        )
     return [("lora", name, path)]
 
 
