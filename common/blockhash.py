@@ -27,9 +27,9 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 - extra keys (§4.4; spec vllm-extra-keys.md): :mod:`common.blockhash_extra` builds each
   block's LoRA, multimodal, salt and lookahead keys per release from a
   :class:`~common.blockhash_extra.HashInputs`. The C chain stays the path for every request:
-  blocks with keys of their own (those touching an item) start a new C call chained from the
-  previous one; with more than ``_C_RUNS_MAX`` such blocks (long lookahead prompts, many
-  items) the Python chain splices each block's keys in instead. LoRA on 0.10.2-0.11.0
+  when blocks have keys of their own (items, lookahead) it takes each block's encoded keys
+  (:func:`_block_tails`; a library too old for that leaves them to the Python chain, which
+  splices each block's keys in). LoRA on 0.10.2-0.11.0
   (keyed by the server-assigned ``lora_int_id``) raises ValueError naming the release.
 - PYTHONHASHSEED unset: vLLM < 0.29 draws a random NONE_HASH per process (ConfigError
   here); >= 0.29 uses the seed "vllm-none-hash". "" is a real seed: the empty string.
@@ -269,9 +269,9 @@ class BlockHasher:
         cache_salt: str | None,
         inputs: HashInputs,
     ) -> bytes:
-        """Every hashed block's digest, back to back: from the C chain when it is there (no
-        per-block objects at all; several calls, one per run of blocks with the same keys,
-        when a few blocks' keys differ), else joined from :meth:`_chain`."""
+        """Every hashed block's digest, back to back: from one C call when it is there (no
+        per-block objects for a plain or LoRA-only prompt; each block's encoded keys when
+        they differ), else joined from :meth:`_chain`."""
         _check_block_size(block_size)
         encoder = native.ENCODER
         if encoder is None or encoder.sha is None or self.settings.algo != "sha256_cbor":
