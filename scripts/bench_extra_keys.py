@@ -34,9 +34,9 @@ import orjson
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: under bench_revs.py, the tree being measured
 
-from common import blockhash
+from common import blockhash, blockhash_native
 from common.blockhash import BlockHasher, HashSettings
 from common.settings import ApiSettings
 from common.store import Instance, Store, TierOps
@@ -93,6 +93,7 @@ def _populate(store: Store, members: list[bytes], rng: random.Random) -> list[st
 
 
 def _bench(store: Store, requests: int) -> None:
+    print(f"tree: {Path(blockhash.__file__).parent.parent}; {blockhash_native.status()}")
     settings = ApiSettings(hash=HashSettings(vllm_version=(0, 34, 0)))
     hasher = BlockHasher(settings.hash)
     client = falcon.testing.TestClient(create_app(settings, store, hasher, ApiMetrics()))
