@@ -67,7 +67,7 @@ class HashInputs:
     lora_path: str | None = None
     mm_items: tuple[MmItem, ...] = ()
     lookahead: int = 0
-    _order: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _order: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for label, value in (("lora_name", self.lora_name), ("lora_path", self.lora_path)):
