@@ -18,6 +18,7 @@ from common import keys
 from common.audit_report import loads as _loads
 from common.audit_report import text as _text
 from common.config import Audit
+from services.api.audit_record import PREFIX_MEMBERS
 from services.api.audit_verdict import Evidence, Outcome, Verdict, stop_block
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class AuditStore:
         if fp:
             low = asked - int(self.settings.race_window * 1000)
             pipe.zrangebyscore(keys.audit_prefix(fp), low, "+inf")
+            pipe.zrange(keys.audit_prefix_done(fp), 0, -1, withscores=True)
         stop = question.get("k", {}).get(str(stop_block(candidate, int(question["bs"]))))
         if stop:
             pipe.sismember(keys.tier_set(ip, "l1"), stop)
@@ -64,8 +66,12 @@ class AuditStore:
         if stop:
             in_l3, in_l1 = bool(replies.pop()), bool(replies.pop())
             holds = in_l1 or in_l3
-        others = replies.pop() if fp else []
-        concurrent = any(_text(m) != rid for m in others)
+        concurrent = False
+        if fp:
+            done = {_text(m): score for m, score in replies.pop()}
+            others = [_text(m) for m in replies.pop()]
+            # In flight together: asked within the window and not reported before we asked.
+            concurrent = any(m != rid and done.get(m, asked + 1) > asked for m in others)
         return Evidence(concurrent=concurrent, index_holds_stop=holds), claimed, registered
 
     def save(
@@ -74,12 +80,19 @@ class AuditStore:
         doc: dict[str, Any],
         outcome: Outcome,
         registered: bool,
+        fp: str,
     ) -> None:
-        """The report, the tallies and (for a discrepancy) the recent list, in one trip."""
+        """The report (also as done on prefix ``fp``), the tallies and (for a discrepancy)
+        the recent list, in one round trip."""
         ip, verdict = report.server_ip, str(outcome.verdict)
         explained = "explained" if outcome.explained else "unexplained"
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(keys.audit_question(report.request_id), f"r:{ip}", orjson.dumps(doc))
+        if fp:
+            done = keys.audit_prefix_done(fp)
+            pipe.zadd(done, {report.request_id: int(self.clock() * 1000)}, nx=True)
+            pipe.zremrangebyrank(done, 0, -(PREFIX_MEMBERS + 1))
+            pipe.expire(done, max(1, int(2 * self.settings.race_window + 0.999)))
         pipe.hincrby(keys.AUDIT_TOTALS, verdict, 1)
         pipe.hincrby(keys.AUDIT_TOTALS, f"{verdict}:{explained}:{report.source}", 1)
         if registered:
