@@ -3,6 +3,7 @@ recorded under a request id, outcome reports classified, the audit view, bad inp
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import falcon.testing
@@ -217,6 +218,8 @@ def test_over_is_explained_only_by_a_concurrent_question_on_the_same_prefix(
     doc = _report(client, request_id="r-2", server_ip=A, cached_tokens=16).json
     assert (doc["cause"], doc["explained"]) == ("concurrent_question", True)  # r-1 in flight
     # Asked after every other question on the prefix was reported: nothing raced it.
+    done = redis_client.zscore(keys.audit_prefix_done(str(_members(hasher)[0])), "r-2")
+    wait_for(lambda: time.time() * 1000 > (done or 0) + 1, what="the clock to pass the report")
     _ask(client, [A], "r-seq")
     _recorded(redis_client, "r-seq")
     doc = _report(client, request_id="r-seq", server_ip=A, cached_tokens=16).json
