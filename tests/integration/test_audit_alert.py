@@ -4,15 +4,17 @@ and reports the outcome to the API under gunicorn; a real Prometheus scrapes the
 evaluates charts/cache-indexer/files/prometheus-rules.yaml (every ``for:`` cut to 2 s).
 
 A correct router, waiting for each request's events like the issue's measurement, gets only
-exact verdicts and CacheIndexerPredictionsOff stays quiet; a router that prepends a BOS
-token to what it asked about (the engine then reuses another chain) gets unexplained
-``prompt_length_differs`` reports and the alert fires for ``source="router"``.
+exact verdicts and CacheIndexerPredictionsOff stays quiet; a wrong block size or salt gets
+unexplained reports naming it; a router that prepends a BOS token to what it asked about
+(the engine then reuses another chain) gets unexplained ``prompt_length_differs`` reports
+and the alert fires for ``source="router"``.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -50,20 +52,25 @@ class Router:
         self.ids = itertools.count()
         self.http = httpx.Client(timeout=10)
 
-    def route(self, asked: Request, *, bos: bool) -> dict[str, Any]:
+    def route(
+        self, asked: Request, *, bos: bool, sent: Request | None = None, block_size: int = BLOCK
+    ) -> dict[str, Any]:
+        """Ask about ``asked`` (with ``block_size``), send ``sent`` (default: ``asked``, with a
+        BOS token in front if ``bos``), report what the engine reused."""
         rid = f"req-{next(self.ids)}"
         body = {
             "server_ip": [IP],
             "request_id": rid,
             "body": {
                 "token_ids": list(asked.token_ids),
-                "block_size": BLOCK,
+                "block_size": block_size,
                 "cache_salt": asked.cache_salt or "",
             },
         }
         answer = self.http.post(f"{self.url}/kv-cache/hit-rate", json=body)
         assert answer.status_code == 200 and answer.json()["request_id"] == rid, answer.text
-        sent = Request((BOS, *asked.token_ids), asked.cache_salt) if bos else asked
+        if sent is None:
+            sent = Request((BOS, *asked.token_ids), asked.cache_salt) if bos else asked
         cached = self.sim.true_hit_tokens(sent)  # what vLLM reports for the request it got
         self.sim.serve([sent])
         self.sim.flush()
@@ -106,6 +113,7 @@ def test_systematically_wrong_reports_fire_the_alert_and_correct_ones_do_not(
         prom = _start_prometheus(Stack(tmp_path, procs, subprocess_env), {"api": api})
         router = Router(api, fleet, store)
         _correct_router_is_exact_and_quiet(router, prom)
+        _other_faults_are_named(router)
         _wrong_router_fires(router, prom)
     finally:
         fleet.close()
@@ -126,6 +134,29 @@ def _correct_router_is_exact_and_quiet(router: Router, prom: Prom) -> None:
     assert [v["verdict"] for v in verdicts] == ["exact"] * len(verdicts), verdicts
     assert sum(v["realized_tokens"] > 0 for v in verdicts) >= REPORTS // 2  # real hits
     assert prom.firing(ALERT) == []
+
+
+def _other_faults_are_named(router: Router) -> None:
+    """A wrong block size or salt: every report unexplained, with the cause that names it."""
+    rng = random.Random(5)
+    causes = []
+    for i in range(3):
+        prompt = Request(tuple(rng.randrange(150_000) for _ in range(5 * BLOCK + 3)))
+        salted = Request(prompt.token_ids, f"tenant-{i}")
+        assert router.route(prompt, bos=False)["verdict"] == "exact"  # now cached unsalted
+        causes.append(router.route(prompt, bos=False, block_size=2 * BLOCK))
+        causes.append(router.route(salted, bos=False, sent=prompt))  # salt asked, not sent
+        causes.append(router.route(prompt, bos=False, sent=salted))  # salt sent, not asked
+    named = [(c["verdict"], c["cause"], c["explained"]) for c in causes]
+    assert (
+        named
+        == [
+            ("under", "block_size_differs", False),
+            ("under", "engine_blocks_not_indexed", False),
+            ("over", "evicted_or_wrong_key", False),
+        ]
+        * 3
+    ), causes
 
 
 def _wrong_router_fires(router: Router, prom: Prom) -> None:
