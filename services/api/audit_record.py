@@ -21,7 +21,9 @@ The record (the string ``ci:audit:{<rid>}``, :mod:`common.keys`), per distinct c
 (ms since the epoch), ``n`` prompt tokens, ``bs`` block size, ``salt`` (a salt was given),
 ``fp`` (block 0's member key: the race check's prefix), ``k`` (member keys at the block
 index where a candidate's prediction stops: the outcome's "does the index now hold the
-block we said was missing" check). The writer also adds the id to ``ci:audit:prefix:{fp}``.
+block we said was missing" check) and ``kh`` (the same per hybrid candidate, at its hash
+unit: group 0's next block, :func:`hybrid_stops`). The writer also adds the id to
+``ci:audit:prefix:{fp}``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from common import keys
 from common.config import Audit
 from common.errors import RequestError
 from services.api.api_metrics import ApiMetrics
+from services.api.scoring import Chain, ViewCache
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +77,34 @@ class HitLike(Protocol):
 
 
 _Hits = Mapping[str, tuple["HitLike", "HitLike"]]
-_Pending = tuple[str, int, int, int, bool, _Hits, bytes, dict[int, bytes]]
+_Pending = tuple[str, int, int, int, bool, _Hits, bytes, dict[int, bytes], dict[str, bytes]]
 """What the request thread hands over: id, time (ms), prompt tokens, block size, salted, the
-hits, block 0's member key and the member keys where predictions stop (by block index)."""
+hits, block 0's member key, the member keys where predictions stop (by block index) and,
+per hybrid candidate, group 0's member key of the block after its prediction."""
+
+
+def hybrid_stops(hits: _Hits, views: ViewCache, chain: Chain) -> dict[str, bytes]:
+    """Per hybrid candidate, the member key (at its hash unit) of group 0's block right after
+    its predicted hit: what the outcome's "does the index now hold it" check reads in
+    ``ci:{ip}:l1`` / ``ci:{ip}:l3`` (group 0's sets). Single-group candidates: none (their
+    block at the request's block size is in the record's ``k``)."""
+    out: dict[str, bytes] = {}
+    for ip, (l1, l3) in hits.items():
+        view = views.get(ip)
+        if view.rule is None or 0 not in view.l1_groups:
+            continue
+        unit = view.rule.hash_unit
+        b0 = view.rule.groups[view.l1_groups.index(0)].block_size
+        idx = (max(l1.tokens, l3.tokens) + b0) // unit - 1
+        members = chain(unit)
+        if idx < len(members):
+            out[ip] = members[idx]
+    return out
 
 
 def build_record(pending: _Pending) -> bytes:
     """The record's JSON (built in the writer thread, not in the request's)."""
-    _, now_ms, num_tokens, block_size, salted, hits, fp, stops = pending
+    _, now_ms, num_tokens, block_size, salted, hits, fp, stops, hybrid = pending
     cands = {
         ip: {"l1": l1.tokens, "l3": l3.tokens, "r1": list(l1.reasons), "r3": list(l3.reasons)}
         for ip, (l1, l3) in hits.items()
@@ -95,6 +118,8 @@ def build_record(pending: _Pending) -> bytes:
         "c": cands,
         "k": {str(i): key.decode() for i, key in stops.items()},
     }
+    if hybrid:
+        doc["kh"] = {ip: key.decode() for ip, key in hybrid.items()}
     return orjson.dumps(doc)
 
 
@@ -130,6 +155,7 @@ class Recorder:
         salted: bool,
         hits: Mapping[str, tuple[HitLike, HitLike]],
         members: Sequence[bytes],
+        hybrid: dict[str, bytes] | None = None,
     ) -> None:
         """Hand one answer to the writer (never blocks, never raises for Redis)."""
         now = self.clock()
@@ -148,9 +174,9 @@ class Recorder:
                     stops[stop] = members[stop]
         fp = members[0] if n else b""
         self._ensure_thread()
-        self._pending.append(
-            (request_id, int(now * 1000), num_tokens, block_size, salted, hits, fp, stops)
-        )
+        now_ms = int(now * 1000)
+        item = (request_id, now_ms, num_tokens, block_size, salted, hits, fp, stops, hybrid or {})
+        self._pending.append(item)
 
     def _admit(self, second: int) -> bool:
         with self._lock:

@@ -57,7 +57,9 @@ class AuditStore:
             low = asked - int(self.settings.race_window * 1000)
             pipe.zrangebyscore(keys.audit_prefix(fp), low, "+inf")
             pipe.zrange(keys.audit_prefix_done(fp), 0, -1, withscores=True)
-        stop = question.get("k", {}).get(str(stop_block(candidate, int(question["bs"]))))
+        stop = question.get("kh", {}).get(ip) or question.get("k", {}).get(
+            str(stop_block(candidate, int(question["bs"])))
+        )
         if stop:
             pipe.sismember(keys.tier_set(ip, "l1"), stop)
             pipe.sismember(keys.l3_set(ip), stop)

@@ -36,8 +36,8 @@ from common.config import HTTP
 from common.errors import RequestError
 from services.api.api_metrics import ApiMetrics
 from services.api.audit_record import HEADER as REQUEST_ID_HEADER
-from services.api.audit_record import Recorder, parse_request_id
-from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
+from services.api.audit_record import Recorder, hybrid_stops, parse_request_id
+from services.api.scoring import Chain, Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def score(
     *,
     detail: bool = False,
     vllm_version: tuple[int, ...] = (0, 28, 0),
-    on_hits: Callable[[dict[str, tuple[Hit, Hit]], Sequence[bytes]], None] | None = None,
+    on_hits: Callable[[dict[str, tuple[Hit, Hit]], Chain, ViewCache], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
@@ -236,8 +236,8 @@ def score(
     The prompt is hashed once per distinct hash unit among the candidates (the request's
     block size for single-group instances); the reads are one pipelined round trip, plus
     one for the candidates whose KV-cache groups changed since this worker last saw them
-    (:mod:`services.api.scoring`). ``on_hits`` gets every distinct candidate's hits and the
-    prompt's member keys at the request's block size (the audit's record)."""
+    (:mod:`services.api.scoring`). ``on_hits`` gets every distinct candidate's hits, the
+    prompt's chains and the candidates' views (the audit's record)."""
     views = views if views is not None else ViewCache()
     chains: dict[int, Sequence[bytes]] = {}
 
@@ -273,7 +273,7 @@ def score(
             for reason in hit.reasons:
                 metrics.inexact.inc(tier=tier, reason=reason)
     if on_hits is not None:
-        on_hits(hits, chain(request.block_size))
+        on_hits(hits, chain, views)
     if hits:  # what the router can gain from this request: its best candidate, per tier
         metrics.best_hit_ratio.observe(max(h[0].ratio for h in hits.values()), tier="l1")
         metrics.best_hit_ratio.observe(max(h[1].ratio for h in hits.values()), tier="l3")
@@ -375,20 +375,21 @@ class HitRateResource:
 
     def _recording(
         self, request: HitRateRequest, rid: str | None
-    ) -> Callable[[dict[str, tuple[Hit, Hit]], Sequence[bytes]], None] | None:
+    ) -> Callable[[dict[str, tuple[Hit, Hit]], Chain, ViewCache], None] | None:
         """What records the answer under ``rid`` (None: no id, or the audit is off)."""
         recorder = self.recorder
         if rid is None or recorder is None:
             return None
 
-        def record(hits: dict[str, tuple[Hit, Hit]], members: Sequence[bytes]) -> None:
+        def record(hits: dict[str, tuple[Hit, Hit]], chain: Chain, views: ViewCache) -> None:
             recorder.offer(
                 rid,
                 len(request.token_ids),
                 request.block_size,
                 request.cache_salt is not None,
                 hits,
-                members,
+                chain(request.block_size),
+                hybrid_stops(hits, views, chain),
             )
 
         return record

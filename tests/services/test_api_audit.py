@@ -389,3 +389,33 @@ def test_records_over_the_rate_or_the_queue_are_dropped_and_counted(hasher: Bloc
     for i in range(5):
         held.offer(f"q{i}", 64, BS, False, hits, hasher.member_keys(PROMPT, BS))
     assert value_of(metrics.audit_records, result="queue_full") == 3
+
+
+def test_a_hybrid_under_report_is_checked_at_the_instance_hash_unit(
+    store: Store, hasher: BlockHasher, redis_client: redis.Redis
+) -> None:
+    """Blocks of 32 tokens hashed every 16 (vLLM's --prefix-match-unit): the block after the
+    prediction is looked up by its hash at 16 tokens in group 0's set, not at the request's
+    block size."""
+    from tests.services.test_api_hybrid import GPTOSS, _index
+
+    prompt = list(range(7000, 7000 + 8 * BS + 5))
+    m16 = [int(m) for m in hasher.member_keys(prompt, BS)]
+    gen = _index(store, A, {0: [1, 3], 1: [1, 3]}, m16, GPTOSS, h_cfg=BS, block=2 * BS)
+    client = _client(store, hasher)
+    asked = _ask(client, [A], "hy-1", tokens=prompt)
+    asked_twice = client.simulate_post(
+        HIT_RATE + "?detail=1",
+        body=orjson.dumps({"server_ip": [A], "body": {"token_ids": prompt, "block_size": 2 * BS}}),
+    )
+    assert asked.status_code == 200
+    assert asked_twice.json["server_score_list"][0]["l1_hit_tokens"] == 64
+    assert asked_twice.json["server_score_list"][0]["l1_exact"] is True
+    _recorded(redis_client, "hy-1")
+    ops = TierOps()  # another request stored blocks 2 and 3 after the answer
+    for group in (0, 1):
+        ops.store("l1", [m16[5], m16[7]], group=group)
+    assert store.apply_batch(A, gen, 0, 1, ops).status == "applied"
+    doc = _report(client, request_id="hy-1", server_ip=A, cached_tokens=128).json
+    assert (doc["verdict"], doc["predicted_tokens"]) == ("under", 64)
+    assert (doc["cause"], doc["explained"]) == ("indexed_after_question", True)
