@@ -162,6 +162,10 @@ class DiscoveryVLLM:
     replay_port_name: str = ""
     replay_port: int = 0
     data_parallel_size: int = 1
+    http_port_name: str = "http"
+    """This project's own: the container port name of vLLM's OpenAI-compatible server (what
+    the audit probes send requests to), else ``httpPort``; ``httpPort: 0`` = none."""
+    http_port: int = 8000
 
 
 @dataclass
@@ -181,6 +185,8 @@ class StaticVLLM:
     name: str = ""
     role: str = ""
     model: str = ""
+    http_endpoint: str = ""
+    """``http://host:port`` of the instance's OpenAI-compatible server (audit probes)."""
 
 
 @dataclass
