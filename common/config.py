@@ -274,6 +274,27 @@ class Ingest:
 
 
 @dataclass
+class AuditProbe:
+    """``audit.probe``: the active audit (``cache-indexer audit-probe``), off by default."""
+
+    enabled: bool = False
+    api_url: str = "http://127.0.0.1:28080"
+    interval: Duration = _f(Duration(60))
+    concurrency: int = 4
+    timeout: Duration = _f(Duration(30))
+    index_deadline: Duration = _f(Duration(10))
+    model: str = ""
+    prompt_blocks: int = 4
+    block_size: int = 16
+    cache_salt: str = "cache-indexer-probe"
+
+
+@dataclass
+class Audit:
+    probe: AuditProbe = _f(AuditProbe)
+
+
+@dataclass
 class Metrics:
     port: int = 0
     addr: str = "127.0.0.1"
@@ -289,6 +310,7 @@ class Config:
     discovery: Discovery = _f(Discovery)
     ingest: Ingest = _f(Ingest)
     metrics: Metrics = _f(Metrics)
+    audit: Audit = _f(Audit)
 
 
 def _yaml_name(f: dataclasses.Field[Any]) -> str:
@@ -443,8 +465,26 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         problems.append("ingest.l3.pollInterval: must be > 0")
     if cfg.metrics.liveness_timeout <= 0:
         problems.append("metrics.livenessTimeout: must be > 0")
+    _check_probe(cfg.audit.probe, problems)
     _check_redis(cfg.redis, problems)
     _check_l3_keys(cfg.ingest.l3, problems)
+
+
+def _check_probe(p: AuditProbe, problems: list[str]) -> None:
+    for name, value in (
+        ("interval", p.interval),
+        ("timeout", p.timeout),
+        ("indexDeadline", p.index_deadline),
+        ("concurrency", p.concurrency),
+        ("promptBlocks", p.prompt_blocks),
+        ("blockSize", p.block_size),
+    ):
+        if value <= 0:
+            problems.append(f"audit.probe.{name}: must be > 0, got {value}")
+    if not p.api_url.startswith(("http://", "https://")):
+        problems.append(f"audit.probe.apiUrl: {p.api_url!r} is not an http(s):// URL")
+    if not p.cache_salt:
+        problems.append("audit.probe.cacheSalt: the probes need a salt of their own")
 
 
 def _sentinel_from_env(s: RedisSentinel, env: dict[str, str]) -> None:
