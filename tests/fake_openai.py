@@ -12,7 +12,8 @@ Faults, set on the instance: ``publish_events`` False (the events never reach th
 ``prompt_tokens_details``: vLLM without ``--enable-prompt-tokens-details``), ``delay``
 (seconds before answering), ``extra_bos`` (the engine sees a BOS token before the prompt, as
 when a router's tokenization differs from the engine's), ``cached_bias`` (tokens added to
-every ``cached_tokens``).
+every ``cached_tokens``), ``publish_limit`` (only that many of a prompt's blocks reach the
+index: the events of the others were lost).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class FakeOpenAI:
         self.delay = 0.0
         self.extra_bos = False
         self.cached_bias = 0
+        self.publish_limit: int | None = None
         self.completions: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, 0), self._handler())
@@ -80,7 +82,7 @@ class FakeOpenAI:
             cached = min(hit, (len(seen) - 1) // self.block_size) * self.block_size
             self.cache.update(hashes)
         if self.publish_events:
-            self.publish(hashes)
+            self.publish(hashes[: self.publish_limit])
         usage: dict[str, Any] = {"prompt_tokens": len(seen), "completion_tokens": 1}
         if self.details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached + self.cached_bias}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,13 +35,16 @@ import redis
 from common.config import HTTP
 from common.errors import RequestError
 from services.api.api_metrics import ApiMetrics
+from services.api.audit_record import HEADER as REQUEST_ID_HEADER
+from services.api.audit_record import Recorder, parse_request_id
 from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
 logger = logging.getLogger(__name__)
 
 PATH = "/kv-cache/hit-rate"
 _READ_CHUNK = 64 * 1024
-_TOP_FIELDS = ("server_ip", "body")
+_TOP_FIELDS = ("server_ip", "body", "request_id")
+_TOP_REQUIRED = ("server_ip", "body")
 _BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
 _BODY_REQUIRED = ("token_ids", "block_size")
 DEFAULT_MAX_CANDIDATES = HTTP().max_candidates
@@ -64,6 +67,7 @@ class HitRateRequest:
     token_ids: Sequence[int]  # usually an array("Q") (:func:`_token_ids`)
     block_size: int
     cache_salt: str | None  # "" in the request means no salt: stored as None
+    request_id: str | None = None  # the audit's key (services/api/audit_record.py)
 
 
 def read_body(req: falcon.Request, limit: int) -> bytes:
@@ -95,7 +99,7 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _bad(f"the request body is not valid JSON ({exc})") from None
-    top = _fields(doc, "", _TOP_FIELDS, _TOP_FIELDS)
+    top = _fields(doc, "", _TOP_FIELDS, _TOP_REQUIRED)
     ips = top["server_ip"]
     if not isinstance(ips, list):
         raise _bad(f"server_ip must be a list of strings, got {_kind(ips)}")
@@ -118,7 +122,13 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    request = HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    request = HitRateRequest(
+        ips,
+        _token_ids(body["token_ids"], raw),
+        block_size,
+        salt or None,
+        parse_request_id(top.get("request_id")),
+    )
     _check_lookups(request, max_candidates)
     return request
 
@@ -218,6 +228,7 @@ def score(
     *,
     detail: bool = False,
     vllm_version: tuple[int, ...] = (0, 28, 0),
+    on_hits: Callable[[dict[str, tuple[Hit, Hit]], Sequence[bytes]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
@@ -225,7 +236,8 @@ def score(
     The prompt is hashed once per distinct hash unit among the candidates (the request's
     block size for single-group instances); the reads are one pipelined round trip, plus
     one for the candidates whose KV-cache groups changed since this worker last saw them
-    (:mod:`services.api.scoring`)."""
+    (:mod:`services.api.scoring`). ``on_hits`` gets every distinct candidate's hits and the
+    prompt's member keys at the request's block size (the audit's record)."""
     views = views if views is not None else ViewCache()
     chains: dict[int, Sequence[bytes]] = {}
 
@@ -260,6 +272,8 @@ def score(
         for tier, hit in (("l1", l1), ("l3", l3)):
             for reason in hit.reasons:
                 metrics.inexact.inc(tier=tier, reason=reason)
+    if on_hits is not None:
+        on_hits(hits, chain(request.block_size))
     if hits:  # what the router can gain from this request: its best candidate, per tier
         metrics.best_hit_ratio.observe(max(h[0].ratio for h in hits.values()), tier="l1")
         metrics.best_hit_ratio.observe(max(h[1].ratio for h in hits.values()), tier="l3")
@@ -329,8 +343,10 @@ class HitRateResource:
         body_limit: int,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
         vllm_version: tuple[int, ...] = (0, 28, 0),
+        recorder: Recorder | None = None,
     ) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
+        self.recorder = recorder
         self.body_limit, self.max_candidates = body_limit, max_candidates
         self.vllm_version = vllm_version
         self.views = ViewCache()
@@ -338,6 +354,9 @@ class HitRateResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_request(read_body(req, self.body_limit), self.max_candidates)
         detail = req.get_param_as_bool("detail", default=False)
+        rid = request.request_id or parse_request_id(
+            req.get_header(REQUEST_ID_HEADER), f"the {REQUEST_ID_HEADER} header"
+        )
         scores = score(
             request,
             self.store,
@@ -346,9 +365,33 @@ class HitRateResource:
             self.views,
             detail=bool(detail),
             vllm_version=self.vllm_version,
+            on_hits=self._recording(request, rid),
         )
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})
+        doc: dict[str, Any] = {"server_score_list": scores, "message": "", "status": 0}
+        if rid is not None:
+            doc["request_id"] = rid
+        resp.data = orjson.dumps(doc)
+
+    def _recording(
+        self, request: HitRateRequest, rid: str | None
+    ) -> Callable[[dict[str, tuple[Hit, Hit]], Sequence[bytes]], None] | None:
+        """What records the answer under ``rid`` (None: no id, or the audit is off)."""
+        recorder = self.recorder
+        if rid is None or recorder is None:
+            return None
+
+        def record(hits: dict[str, tuple[Hit, Hit]], members: Sequence[bytes]) -> None:
+            recorder.offer(
+                rid,
+                len(request.token_ids),
+                request.block_size,
+                request.cache_salt is not None,
+                hits,
+                members,
+            )
+
+        return record
 
 
 class PostOnly:

@@ -12,7 +12,8 @@ The steps (:meth:`Prober.probe`), each bounded by what is left of ``audit.probe.
    ``events_missing`` (the instance's KV events do not reach the index);
 4. the question that is audited: the same hit-rate request with a ``request_id``;
 5. the prompt again; the engine's ``usage.prompt_tokens_details.cached_tokens``;
-6. ``POST /kv-cache/outcome`` with ``source: probe``: the API's verdict (exact, under, over).
+6. ``POST /kv-cache/outcome`` with ``source: probe``: the API's verdict (exact, under, over);
+   a 404 is retried for :data:`REPORT_RETRY_S` (the API writes its records in the background).
 
 Every failure is an :class:`Outcome` with a one-line detail, never an exception: the engine
 unreachable or refusing (``engine_error``), an engine that does not report cached tokens
@@ -38,6 +39,8 @@ from common.settings import ProberSettings
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 """Probe token ids: inside every real vocabulary, away from the low special ids."""
 POLL_S = 0.2
+REPORT_RETRY_S = 3.0
+"""How long a report answered 404 is retried (the record may not be written yet)."""
 
 
 class Outcome(StrEnum):
@@ -78,6 +81,11 @@ class Result:
     predicted: int | None = None
     realized: int | None = None
     request_id: str = ""
+
+
+class _NotYet(Exception):
+    """The outcome endpoint does not know the question yet: the API records answers in the
+    background, so a report right after its question may come before the record."""
 
 
 class _Failed(Exception):
@@ -213,7 +221,18 @@ class Prober:
             "source": "probe",
         }
         url = f"{self.s.api_url}/kv-cache/outcome"
-        doc = self._call(Outcome.API_ERROR, "POST", url, deadline, json=body)
+        retry_until = min(deadline, self.clock() + REPORT_RETRY_S)
+        while True:
+            try:
+                doc = self._call(Outcome.API_ERROR, "POST", url, deadline, json=body)
+                break
+            except _NotYet:
+                if self.clock() + POLL_S > retry_until or self.stop.wait(POLL_S):
+                    raise _Failed(
+                        Outcome.API_ERROR,
+                        f"POST {url}: the question {request_id} is not recorded "
+                        f"{REPORT_RETRY_S:g}s after it was answered (audit.enabled? rate limit?)",
+                    ) from None
         if not isinstance(doc, dict):
             raise _Failed(Outcome.API_ERROR, "the outcome answer is not a JSON object")
         return doc
@@ -230,6 +249,8 @@ class Prober:
             raise _Failed(Outcome.TIMEOUT, f"{method} {url}: no answer in time") from None
         except httpx.HTTPError as exc:
             raise _Failed(fails, f"{method} {url}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code == 404 and url.endswith("/kv-cache/outcome"):
+            raise _NotYet()
         if resp.status_code != 200:
             raise _Failed(fails, f"{method} {url}: HTTP {resp.status_code} {resp.text[:200]!r}")
         try:

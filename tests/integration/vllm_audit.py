@@ -76,17 +76,21 @@ def send(run: Run, prompt: list[int], salt: str = "") -> int:
 
 
 def report(run: Run, rid: str, cached: int, prompt_tokens: int) -> dict[str, Any]:
-    resp = httpx.post(
-        f"http://127.0.0.1:{run.api}/kv-cache/outcome",
-        json={
-            "request_id": rid,
-            "server_ip": run.ip,
-            "cached_tokens": cached,
-            "prompt_tokens": prompt_tokens,
-            "source": "router",
-        },
-        timeout=30,
-    )
+    """The router's report; a 404 (the API writes its records in the background) is retried."""
+    body = {
+        "request_id": rid,
+        "server_ip": run.ip,
+        "cached_tokens": cached,
+        "prompt_tokens": prompt_tokens,
+        "source": "router",
+    }
+    url = f"http://127.0.0.1:{run.api}/kv-cache/outcome"
+
+    def answered() -> httpx.Response | None:
+        resp = httpx.post(url, json=body, timeout=30)
+        return None if resp.status_code == 404 else resp
+
+    resp = wait_for(answered, timeout=10, interval=0.05, what=f"the record of {rid}")
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
 

@@ -133,15 +133,20 @@ def test_a_correct_index_is_exact_and_the_probe_is_fresh_and_salted(
     assert fake.completions[2]["prompt"] != first["prompt"]  # a fresh prompt every probe
 
 
-@pytest.mark.parametrize(("bias", "verdict"), [(-BLOCK, Outcome.OVER), (BLOCK, Outcome.UNDER)])
-def test_an_engine_reusing_other_than_the_answer_is_under_or_over(
-    api: str, engine: Engine, bias: int, verdict: Outcome
-) -> None:
+def test_an_engine_reusing_less_than_the_answer_is_over(api: str, engine: Engine) -> None:
     fake = engine("127.0.0.2")
-    fake.cached_bias = bias
+    fake.cached_bias = -BLOCK
     result = _probe(api, _target(fake, "127.0.0.2"))
-    assert result.outcome is verdict, result
-    assert result.realized == 3 * BLOCK + bias and result.predicted == 3 * BLOCK
+    assert result.outcome is Outcome.OVER, result
+    assert (result.predicted, result.realized) == (3 * BLOCK, 2 * BLOCK)
+
+
+def test_blocks_whose_events_were_lost_are_under(api: str, engine: Engine) -> None:
+    fake = engine("127.0.0.2")
+    fake.publish_limit = 2  # the index learns 2 of the prompt's 3 blocks
+    result = _probe(api, _target(fake, "127.0.0.2"))
+    assert result.outcome is Outcome.UNDER, result
+    assert (result.predicted, result.realized) == (2 * BLOCK, 3 * BLOCK)
 
 
 def test_events_that_never_reach_the_index_are_events_missing(api: str, engine: Engine) -> None:
