@@ -110,6 +110,8 @@ def routed(run: Run, prompt: list[int], **fault: Any) -> dict[str, Any]:
         "predicted": predicted,
         "cached_tokens": cached,
         "verdict": verdict.get("verdict"),
+        "explained": verdict.get("explained"),
+        "cause": verdict.get("cause"),
         "reported": {k: verdict.get(k) for k in ("predicted_tokens", "realized_tokens")},
     }
 
@@ -152,6 +154,8 @@ def concurrent_phase(run: Run, seed: int) -> dict[str, Any]:
         "requests": len(rows),
         "verdicts": _count(r["verdict"] for r in rows),
         "classes": _count(r["class"] for r in rows),
+        "api_causes": _count(r["cause"] for r in rows if r["verdict"] != "exact"),
+        "api_unexplained": sum(r["explained"] is False for r in rows),
         "mean_difference": round(
             sum(abs(r["predicted"] - r["cached_tokens"]) for r in rows) / max(1, len(rows)), 2
         ),
@@ -209,7 +213,10 @@ def fault_phase(run: Run, seed: int, per_fault: int = 3) -> dict[str, Any]:
             rows.append(_settled(run, lambda s=sent, f=fault: routed(run, s, **f)))
         out[name] = {
             "verdicts": [r["verdict"] for r in rows],
-            "rows": [{k: r[k] for k in ("predicted", "cached_tokens", "verdict")} for r in rows],
+            "rows": [
+                {k: r[k] for k in ("predicted", "cached_tokens", "verdict", "explained", "cause")}
+                for r in rows
+            ],
         }
     return out
 
