@@ -33,7 +33,8 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
 | ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters, API        | live ingester id → heartbeat expiry (ms since epoch) |
 | ci:audit:{<rid>}             | HASH   | API               | API                      | ``audit.ttl``: field ``q`` = the answer given to hit-rate request id rid, ``r:<ip>`` = the outcome reported for ip (``services/api/audit_record.py``) |
-| ci:audit:prefix:{<fp>}       | ZSET   | API               | API                      | 2 × ``audit.raceWindow``, last 64 members: request ids asked about prompts whose block 0 is fp → time asked (ms) |
+| ci:audit:prefix:{<fp>}       | ZSET   | API               | API                      | 2 × ``audit.raceWindow`` (renewed), last 64 members: request ids asked about prompts whose block 0 is fp → time asked (ms) |
+| ci:audit:prefix:{<fp>}:done  | ZSET   | API               | API                      | as the above: those request ids → time their first outcome was reported (ms) |
 | ci:{ip}:audit                | HASH   | API               | API, tools               | 1 day after the last report: the instance's outcome tallies (``services/api/audit_outcome.py``) |
 | ci:audit:worst               | ZSET   | API               | API, tools               | forever, ``audit.worstInstances`` members: ip → unexplained discrepancies |
 | ci:audit:recent              | LIST   | API               | API, tools               | forever, ``audit.recent`` entries: the latest discrepancies as JSON |
@@ -150,6 +151,11 @@ def audit_question(request_id: str) -> str:
 def audit_prefix(first_block: str) -> str:
     """Recent questions whose prompt's block 0 has member key ``first_block`` (race check)."""
     return f"{PREFIX}:audit:prefix:{{{first_block}}}"
+
+
+def audit_prefix_done(first_block: str) -> str:
+    """When the questions of :func:`audit_prefix` were first reported on (same slot)."""
+    return f"{audit_prefix(first_block)}:done"
 
 
 def audit_instance(ip: str) -> str:

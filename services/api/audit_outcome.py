@@ -139,7 +139,7 @@ class OutcomeResource:
             question, candidate, report.cached_tokens, report.prompt_tokens, evidence
         )
         doc = _document(report, question, candidate, outcome)
-        self.store.save(report, doc, outcome, registered, self.metrics)
+        self.store.save(report, doc, outcome, registered, str(question.get("fp") or ""))
         self._count(report, outcome)
         return doc
 

@@ -1,5 +1,5 @@
-"""Every Redis read and write of the outcome reports and the audit view (keys:
-:mod:`common.keys`, ``ci:audit:*`` and ``ci:{ip}:audit``).
+"""Every Redis read and write of the outcome reports (keys: :mod:`common.keys`, ``ci:audit:*``
+and ``ci:{ip}:audit``; the view reads them back: :mod:`common.audit_report`).
 
 Bounded by construction: a question's record and its reports expire with ``audit.ttl``; the
 prefix sets keep their latest 64 members and expire; an instance's tallies exist only for a
@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from common import keys
+from common.audit_report import loads as _loads
+from common.audit_report import text as _text
 from common.config import Audit
-from services.api.api_metrics import ApiMetrics
+from services.api.audit_record import PREFIX_MEMBERS
 from services.api.audit_verdict import Evidence, Outcome, Verdict, stop_block
 
 if TYPE_CHECKING:
@@ -25,17 +27,6 @@ if TYPE_CHECKING:
 INSTANCE_TTL = 86_400
 """Seconds an instance's tallies outlive its last report."""
 _CLAIM = b"pending"
-TALLY_FIELDS = ("reports", "exact", "under", "over", "unexplained", "difference_tokens")
-
-
-def _loads(raw: Any) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 class AuditStore:
@@ -62,6 +53,7 @@ class AuditStore:
         if fp:
             low = asked - int(self.settings.race_window * 1000)
             pipe.zrangebyscore(keys.audit_prefix(fp), low, "+inf")
+            pipe.zrange(keys.audit_prefix_done(fp), 0, -1, withscores=True)
         stop = question.get("k", {}).get(str(stop_block(candidate, int(question["bs"]))))
         if stop:
             pipe.sismember(keys.tier_set(ip, "l1"), stop)
@@ -74,8 +66,12 @@ class AuditStore:
         if stop:
             in_l3, in_l1 = bool(replies.pop()), bool(replies.pop())
             holds = in_l1 or in_l3
-        others = replies.pop() if fp else []
-        concurrent = any(_text(m) != rid for m in others)
+        concurrent = False
+        if fp:
+            done = {_text(m): score for m, score in replies.pop()}
+            others = [_text(m) for m in replies.pop()]
+            # In flight together: asked within the window and not reported before we asked.
+            concurrent = any(m != rid and done.get(m, asked + 1) > asked for m in others)
         return Evidence(concurrent=concurrent, index_holds_stop=holds), claimed, registered
 
     def save(
@@ -84,13 +80,19 @@ class AuditStore:
         doc: dict[str, Any],
         outcome: Outcome,
         registered: bool,
-        metrics: ApiMetrics,
+        fp: str,
     ) -> None:
-        """The report, the tallies and (for a discrepancy) the recent list, in one trip."""
+        """The report (also as done on prefix ``fp``), the tallies and (for a discrepancy)
+        the recent list, in one round trip."""
         ip, verdict = report.server_ip, str(outcome.verdict)
         explained = "explained" if outcome.explained else "unexplained"
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(keys.audit_question(report.request_id), f"r:{ip}", orjson.dumps(doc))
+        if fp:
+            done = keys.audit_prefix_done(fp)
+            pipe.zadd(done, {report.request_id: int(self.clock() * 1000)}, nx=True)
+            pipe.zremrangebyrank(done, 0, -(PREFIX_MEMBERS + 1))
+            pipe.expire(done, max(1, int(2 * self.settings.race_window + 0.999)))
         pipe.hincrby(keys.AUDIT_TOTALS, verdict, 1)
         pipe.hincrby(keys.AUDIT_TOTALS, f"{verdict}:{explained}:{report.source}", 1)
         if registered:
@@ -112,35 +114,3 @@ class AuditStore:
             pipe.lpush(keys.AUDIT_RECENT, orjson.dumps(entry))
             pipe.ltrim(keys.AUDIT_RECENT, 0, self.settings.recent - 1)
         pipe.execute()
-
-    def view(self, worst: int, recent: int) -> dict[str, Any]:
-        """The audit's state for ``GET /kv-cache/audit`` and ``cache-indexer audit``."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(keys.AUDIT_TOTALS)
-        pipe.zrevrange(keys.AUDIT_WORST, 0, max(0, worst - 1), withscores=True)
-        pipe.lrange(keys.AUDIT_RECENT, 0, max(0, recent - 1))
-        totals, ranked, entries = pipe.execute()
-        ips = [_text(ip) for ip, _ in ranked][:worst]
-        tallies: list[Any] = []
-        if ips:
-            pipe = self.r.pipeline(transaction=False)
-            for ip in ips:
-                pipe.hgetall(keys.audit_instance(ip))
-            tallies = pipe.execute()
-        instances = []
-        for ip, tally in zip(ips, tallies, strict=True):
-            row: dict[str, Any] = {"server_ip": ip}
-            fields = {_text(k): _text(v) for k, v in (tally or {}).items()}
-            for name in TALLY_FIELDS:
-                row[name] = int(fields.get(name, 0) or 0)
-            row["last_report_ms"] = int(fields.get("last_report_ms", 0) or 0)
-            instances.append(row)
-        return {
-            "totals": {_text(k): int(v) for k, v in (totals or {}).items()},
-            "worst_instances": instances,
-            "recent_discrepancies": [d for d in map(_loads, entries[:recent]) if d is not None],
-        }
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

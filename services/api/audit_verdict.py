@@ -16,8 +16,9 @@ cannot avoid, and **unexplained** when it points at a fault:
   question's own hash: the engine's blocks are the ones asked about, their events arrived
   after the answer (another request stored them, or the index lagged);
 - ``concurrent_question`` (over, explained): another question about the same prompt prefix
-  was answered from ``raceWindow`` before this one until the report: concurrent requests
-  evict and store the same blocks between routing and scheduling;
+  was in flight with this one — asked from ``raceWindow`` before it until its report, and
+  not reported before it was asked: concurrent requests evict and store the same blocks
+  between routing and scheduling;
 - unexplained: ``prompt_length_differs`` (the engine saw another number of tokens than the
   router asked about: a chat template, an extra BOS), ``block_size_differs``,
   ``engine_blocks_not_indexed`` (under, and the index does not hold the engine's blocks under

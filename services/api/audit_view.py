@@ -14,10 +14,10 @@ import falcon
 import orjson
 import redis
 
+from common.audit_report import read_audit
 from common.config import Audit
 from common.errors import RequestError
 from services.api.api_metrics import ApiMetrics
-from services.api.audit_store import AuditStore
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +26,13 @@ PATH = "/kv-cache/audit"
 
 class AuditViewResource:
     def __init__(self, client: Any, settings: Audit, metrics: ApiMetrics) -> None:
-        self.settings, self.metrics = settings, metrics
-        self.store = AuditStore(client, settings)
+        self.client, self.settings, self.metrics = client, settings, metrics
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         worst = _limit(req, "worst", self.settings.worst_instances)
         recent = _limit(req, "recent", self.settings.recent)
         try:
-            doc = self.store.view(worst, recent)
+            doc = read_audit(self.client, worst, recent)
         except redis.RedisError as exc:
             self.metrics.redis_errors.inc(op="audit_view")
             logger.warning("cannot read the audit: %s", exc)

@@ -214,6 +214,13 @@ def test_over_is_explained_only_by_a_concurrent_question_on_the_same_prefix(
     doc = _report(client, request_id="r-1", server_ip=A, cached_tokens=16).json
     assert (doc["verdict"], doc["cause"], doc["explained"]) == ("over", "concurrent_question", True)
     assert doc["first_differing_block"] == 1
+    doc = _report(client, request_id="r-2", server_ip=A, cached_tokens=16).json
+    assert (doc["cause"], doc["explained"]) == ("concurrent_question", True)  # r-1 in flight
+    # Asked after every other question on the prefix was reported: nothing raced it.
+    _ask(client, [A], "r-seq")
+    _recorded(redis_client, "r-seq")
+    doc = _report(client, request_id="r-seq", server_ip=A, cached_tokens=16).json
+    assert (doc["cause"], doc["explained"]) == ("evicted_or_wrong_key", False)
     _recorded(redis_client, "r-alone")
     doc = _report(client, request_id="r-alone", server_ip=A, cached_tokens=16).json
     assert (doc["verdict"], doc["cause"]) == ("under", "engine_blocks_not_indexed")
