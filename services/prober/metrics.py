@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.metrics import Counter, Gauge, Histogram, Registry
+from services.prober.probe import Outcome
 
 _PROBE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
@@ -26,7 +27,7 @@ class ProberMetrics:
     def register(cls, registry: Registry | None = None) -> ProberMetrics:
         r = registry or Registry()
         p = "cache_indexer_probe_"
-        return cls(
+        metrics = cls(
             outcomes=r.counter(
                 p + "outcomes_total",
                 "finished probes by outcome: exact, under, over (the API's verdict), "
@@ -45,3 +46,7 @@ class ProberMetrics:
                 ["kind"],
             ),
         )
+        for outcome in Outcome:  # every series from the start: rate() and alerts see zeros
+            metrics.outcomes.inc(0, outcome=outcome.value)
+        metrics.errors.inc(0, kind="instances")
+        return metrics
