@@ -141,20 +141,41 @@ def test_concurrent_routers_differ_only_by_races(
     assert out["errors"] == [] and out["requests"] == va.STREAMS * va.PER_STREAM, out
     assert out["consistent"], "a verdict disagrees with the router's own tokens"
     assert out["classes"].get("unexplained", 0) == 0, json.dumps(out["rows"], indent=1)
+    if model == "dense":  # the API explains them too (indexed_after_question)
+        assert out["api_unexplained"] == 0, out["api_causes"]
+    # linear (hash unit 64, questions at 32): the API looks the stop block up at the
+    # question's block size, finds nothing and says engine_blocks_not_indexed (2 of 40)
     assert out["verdicts"].get("exact", 0) >= out["requests"] // 2, out["verdicts"]
 
 
-def test_faulty_routers_are_named_under_or_over(runs: dict[str, dict[str, Any]]) -> None:
-    faults = _phase(runs, "dense", "faults")
-    assert faults["extra_bos"]["verdicts"] == ["over"] * 3, faults["extra_bos"]
-    assert faults["salt_not_asked"]["verdicts"] == ["over"] * 3, faults["salt_not_asked"]
-    assert faults["wrong_block_size"]["verdicts"] == ["under"] * 3, faults["wrong_block_size"]
+FAULT_VERDICTS = {
+    "extra_bos": ("over", "prompt_length_differs"),
+    "salt_not_asked": ("over", "evicted_or_wrong_key"),
+    "wrong_block_size": ("under", "block_size_differs"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULT_VERDICTS))
+def test_faulty_routers_are_named_under_or_over(
+    runs: dict[str, dict[str, Any]], fault: str
+) -> None:
+    """A router that sends other tokens or salt than it asked about, or asks with the wrong
+    block size: every report is a discrepancy the API does not excuse, with its cause."""
+    rows = _phase(runs, "dense", "faults")[fault]["rows"]
+    verdict, cause = FAULT_VERDICTS[fault]
+    assert len(rows) == 3 and all(
+        (r["verdict"], r["cause"], r["explained"]) == (verdict, cause, False) for r in rows
+    ), rows
+
+
+def _outcomes_seen(counts: dict[str, float]) -> set[str]:
+    return {outcome for outcome, n in counts.items() if n}
 
 
 @pytest.mark.parametrize("model", ["swa", "linear"])
 def test_probes_of_a_healthy_index_are_exact(runs: dict[str, dict[str, Any]], model: str) -> None:
     out = _phase(runs, model, "probe")
-    assert out["before"].get("exact", 0) >= 2 and set(out["before"]) == {"exact"}, out
+    assert out["before"].get("exact", 0) >= 2 and _outcomes_seen(out["before"]) == {"exact"}, out
     assert out["exit"] == 0
 
 
@@ -162,7 +183,7 @@ def test_a_frozen_ingester_is_found_by_the_probe(runs: dict[str, dict[str, Any]]
     """The L1 ingester stops (SIGSTOP): a probe reports events_missing within a few probe
     intervals (the driver polls for it with that deadline; the time taken is recorded)."""
     out = _phase(runs, "dense", "probe_events_missing")
-    assert out["before"].get("exact", 0) >= 2 and set(out["before"]) == {"exact"}, out
-    assert out["after"].get("events_missing", 0) >= 1, out
+    assert out["before"].get("exact", 0) >= 2 and _outcomes_seen(out["before"]) == {"exact"}, out
+    assert _outcomes_seen(out["after"]) == {"exact", "events_missing"}, out
     assert out["events_missing_after_s"] is not None, out
     assert out["exit"] == 0
