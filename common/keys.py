@@ -32,7 +32,8 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: ``services/l3_poller/status.py`` ``STATE_FIELDS`` |
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
 | ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters, API        | live ingester id → heartbeat expiry (ms since epoch) |
-| ci:audit:{<rid>}             | HASH   | API               | API                      | ``audit.ttl``: field ``q`` = the answer given to hit-rate request id rid, ``r:<ip>`` = the outcome reported for ip (``services/api/audit_record.py``) |
+| ci:audit:{<rid>}             | STRING | API               | API                      | ``audit.ttl``: the answer given to hit-rate request id rid, JSON (``services/api/audit_record.py``) |
+| ci:audit:{<rid>}:r           | HASH   | API               | API                      | ``audit.ttl`` from the first report: ``r:<ip>`` = the outcome reported for ip |
 | ci:audit:prefix:{<fp>}       | ZSET   | API               | API                      | 2 × ``audit.raceWindow`` (renewed), last 64 members: request ids asked about prompts whose block 0 is fp → time asked (ms) |
 | ci:audit:prefix:{<fp>}:done  | ZSET   | API               | API                      | as the above: those request ids → time their first outcome was reported (ms) |
 | ci:{ip}:audit                | HASH   | API               | API, tools               | 1 day after the last report: the instance's outcome tallies (``services/api/audit_outcome.py``) |
@@ -146,6 +147,11 @@ def lease(name: str) -> str:
 def audit_question(request_id: str) -> str:
     """What the API answered to hit-rate request ``request_id``, and its outcome reports."""
     return f"{PREFIX}:audit:{{{request_id}}}"
+
+
+def audit_reports(request_id: str) -> str:
+    """The outcomes reported for :func:`audit_question` (same slot)."""
+    return f"{audit_question(request_id)}:r"
 
 
 def audit_prefix(first_block: str) -> str:

@@ -6,15 +6,16 @@ A hit-rate request names its id in the body's top-level ``request_id`` or in the
 ``X-Request-Id`` header (the body wins): 1 to 128 printable ASCII characters, anything else
 is a 400. Without an id nothing is recorded and the answer is unchanged byte for byte.
 
-Recording never slows the answer nor fails it: the request thread only builds a small JSON
-document and puts it on a bounded in-memory queue (:class:`Recorder`); a writer thread per
-API worker sends the queue to Redis in pipelined batches. What happens to every offered
+Recording never slows the answer nor fails it: the request thread only appends the hits it
+computed anyway to a bounded in-memory buffer (:class:`Recorder`); a writer thread per API
+worker wakes every 20 ms, builds the JSON and sends the buffer to Redis in pipelined
+batches. What happens to every offered
 record is counted (``cache_indexer_api_audit_records_total{result}``): ``recorded``,
 ``rate_limited`` (more than ``audit.maxRecordsPerSecond`` in this worker), ``queue_full``
 (Redis slower than the requests, ``audit.queueSize``) or ``redis_error`` (logged). So the
 audit's Redis memory is bounded by workers × maxRecordsPerSecond × ``audit.ttl`` records.
 
-The record (``ci:audit:{<rid>}`` field ``q``, :mod:`common.keys`), per distinct candidate:
+The record (the string ``ci:audit:{<rid>}``, :mod:`common.keys`), per distinct candidate:
 ``l1``/``l3`` the predicted hit tokens of each tier (the ``?detail=1`` ``*_hit_tokens``) and
 ``r1``/``r3`` why each is only a lower bound (empty: exact); for the whole question ``t``
 (ms since the epoch), ``n`` prompt tokens, ``bs`` block size, ``salt`` (a salt was given),
@@ -26,9 +27,9 @@ block we said was missing" check). The writer also adds the id to ``ci:audit:pre
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -47,6 +48,9 @@ MAX_ID_LENGTH = 128
 PREFIX_MEMBERS = 64
 """Questions kept per prompt prefix for the race check (the latest ones)."""
 _BATCH = 256
+FLUSH_INTERVAL = 0.02
+"""Seconds between the writer's rounds: how late a record may reach Redis at most (plus
+its round trip) when the worker is idle."""
 
 
 def parse_request_id(value: Any, where: str = "request_id") -> str | None:
@@ -69,44 +73,36 @@ class HitLike(Protocol):
     reasons: tuple[str, ...]
 
 
-def build_record(
-    *,
-    now_ms: int,
-    num_tokens: int,
-    block_size: int,
-    salted: bool,
-    hits: Mapping[str, tuple[HitLike, HitLike]],
-    members: Sequence[bytes],
-) -> tuple[str, bytes]:
-    """(prefix fingerprint, the record's JSON) for one answered question."""
-    n = num_tokens // block_size
-    stops: dict[str, str] = {}
-    cands: dict[str, dict[str, Any]] = {}
-    for ip, (l1, l3) in hits.items():
-        cands[ip] = {
-            "l1": l1.tokens,
-            "l3": l3.tokens,
-            "r1": list(l1.reasons),
-            "r3": list(l3.reasons),
-        }
-        stop = max(l1.tokens, l3.tokens) // block_size
-        if stop < n and stop < len(members):
-            stops.setdefault(str(stop), members[stop].decode())
-    fp = members[0].decode() if n and members else ""
+_Hits = Mapping[str, tuple["HitLike", "HitLike"]]
+_Pending = tuple[str, int, int, int, bool, _Hits, bytes, dict[int, bytes]]
+"""What the request thread hands over: id, time (ms), prompt tokens, block size, salted, the
+hits, block 0's member key and the member keys where predictions stop (by block index)."""
+
+
+def build_record(pending: _Pending) -> bytes:
+    """The record's JSON (built in the writer thread, not in the request's)."""
+    _, now_ms, num_tokens, block_size, salted, hits, fp, stops = pending
+    cands = {
+        ip: {"l1": l1.tokens, "l3": l3.tokens, "r1": list(l1.reasons), "r3": list(l3.reasons)}
+        for ip, (l1, l3) in hits.items()
+    }
     doc = {
         "t": now_ms,
         "n": num_tokens,
         "bs": block_size,
         "salt": salted,
-        "fp": fp,
+        "fp": fp.decode(),
         "c": cands,
-        "k": stops,
+        "k": {str(i): key.decode() for i, key in stops.items()},
     }
-    return fp, orjson.dumps(doc)
+    return orjson.dumps(doc)
 
 
 class Recorder:
-    """A bounded queue of records and the thread that writes them (one per API worker)."""
+    """A bounded buffer of answers to record and the thread that writes them (one per API
+    worker). The thread wakes every ``FLUSH_INTERVAL`` rather than on every answer: a
+    request costs a deque append, not a thread switch, and a busy worker's records go to
+    Redis in few round trips."""
 
     def __init__(
         self,
@@ -118,7 +114,8 @@ class Recorder:
         self.client, self.settings, self.metrics, self.clock = client, settings, metrics, clock
         self.ttl = max(1, int(settings.ttl))
         self.prefix_ttl = max(1, int(2 * settings.race_window + 0.999))
-        self._queue: queue.Queue[tuple[str, str, bytes, int]] = queue.Queue(settings.queue_size)
+        self._pending: deque[_Pending] = deque()
+        self._inflight = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -134,25 +131,26 @@ class Recorder:
         hits: Mapping[str, tuple[HitLike, HitLike]],
         members: Sequence[bytes],
     ) -> None:
-        """Queue one record (never blocks, never raises for Redis)."""
+        """Hand one answer to the writer (never blocks, never raises for Redis)."""
         now = self.clock()
         if not self._admit(int(now)):
             self.metrics.audit_records.inc(result="rate_limited")
             return
-        now_ms = int(now * 1000)
-        fp, doc = build_record(
-            now_ms=now_ms,
-            num_tokens=num_tokens,
-            block_size=block_size,
-            salted=salted,
-            hits=hits,
-            members=members,
-        )
-        self._ensure_thread()
-        try:
-            self._queue.put_nowait((request_id, fp, doc, now_ms))
-        except queue.Full:
+        if len(self._pending) >= self.settings.queue_size:
             self.metrics.audit_records.inc(result="queue_full")
+            return
+        n = min(num_tokens // block_size, len(members))
+        stops: dict[int, bytes] = {}
+        if n:
+            for l1, l3 in hits.values():
+                stop = max(l1.tokens, l3.tokens) // block_size
+                if stop < n and stop not in stops:
+                    stops[stop] = members[stop]
+        fp = members[0] if n else b""
+        self._ensure_thread()
+        self._pending.append(
+            (request_id, int(now * 1000), num_tokens, block_size, salted, hits, fp, stops)
+        )
 
     def _admit(self, second: int) -> bool:
         with self._lock:
@@ -173,52 +171,83 @@ class Recorder:
                     self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=0.25)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < _BATCH:
+        while not self._stop.wait(FLUSH_INTERVAL):
+            while self._pending:
+                batch: list[_Pending] = []
+                while self._pending and len(batch) < _BATCH:
+                    batch.append(self._pending.popleft())
+                self._inflight = len(batch)
                 try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._write(batch)
-            except Exception:  # the writer must survive anything; the answers never wait on it
-                logger.exception("audit: writing %d records failed", len(batch))
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
+                    self._write(batch)
+                except Exception:  # the writer must survive anything; answers never wait on it
+                    self._log_failure("audit: writing %d records failed", len(batch), True)
+                finally:
+                    self._inflight = 0
 
-    def _write(self, batch: list[tuple[str, str, bytes, int]]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for rid, fp, doc, now_ms in batch:
-            key = keys.audit_question(rid)
-            pipe.hset(key, "q", doc)
-            pipe.expire(key, self.ttl)
+    def _commands(self, batch: list[_Pending]) -> list[tuple[Any, ...]]:
+        """A SET per record, three commands per distinct prefix (under load a batch holds
+        many questions about one hot prefix)."""
+        cmds: list[tuple[Any, ...]] = []
+        prefixes: dict[str, dict[str, int]] = {}
+        for pending in batch:
+            rid, now_ms, fp = pending[0], pending[1], pending[6].decode()
+            cmds.append(("SET", keys.audit_question(rid), build_record(pending), "EX", self.ttl))
             if fp:
-                pk = keys.audit_prefix(fp)
-                pipe.zadd(pk, {rid: now_ms})
-                pipe.zremrangebyrank(pk, 0, -(PREFIX_MEMBERS + 1))
-                pipe.expire(pk, self.prefix_ttl)
-        try:
+                prefixes.setdefault(fp, {})[rid] = now_ms
+        for fp, asked in prefixes.items():
+            pk = keys.audit_prefix(fp)
+            zadd: list[Any] = ["ZADD", pk]
+            for rid, score in asked.items():
+                zadd += [score, rid]
+            cmds.append(tuple(zadd))
+            cmds.append(("ZREMRANGEBYRANK", pk, 0, -(PREFIX_MEMBERS + 1)))
+            cmds.append(("EXPIRE", pk, self.prefix_ttl))
+        return cmds
+
+    def _send(self, cmds: list[tuple[Any, ...]]) -> None:
+        """One round trip. On a single server as packed RESP on a pooled connection (redis-py's
+        pipeline costs tens of microseconds of Python per command, taken from the request
+        threads of this worker); a cluster through its pipeline, routed by slot."""
+        if not isinstance(self.client, redis.Redis):
+            pipe = self.client.pipeline(transaction=False)
+            for cmd in cmds:
+                pipe.execute_command(*cmd)
             pipe.execute()
+            return
+        pool = self.client.connection_pool
+        conn: Any = pool.get_connection()
+        try:
+            conn.send_packed_command([b"".join(_pack(cmd) for cmd in cmds)])
+            for _ in cmds:
+                reply = conn.read_response(disable_decoding=True)
+                if isinstance(reply, redis.ResponseError):
+                    raise reply
+        except BaseException:
+            conn.disconnect()  # unread replies must not reach the next user of the socket
+            raise
+        finally:
+            pool.release(conn)
+
+    def _write(self, batch: list[_Pending]) -> None:
+        try:
+            self._send(self._commands(batch))
         except redis.RedisError as exc:
             self.metrics.audit_records.inc(len(batch), result="redis_error")
             self.metrics.redis_errors.inc(op="audit_record")
-            now = time.monotonic()
-            if now - self._last_error_log > 10:  # one line per 10 s, not one per batch
-                self._last_error_log = now
-                logger.warning("audit: %d records lost, Redis failed: %s", len(batch), exc)
+            self._log_failure("audit: %d records lost, Redis failed: %s", len(batch), exc)
             return
         self.metrics.audit_records.inc(len(batch), result="recorded")
 
+    def _log_failure(self, message: str, count: int, detail: object) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log > 10:  # one line per 10 s, not one per batch
+            self._last_error_log = now
+            logger.warning(message, count, detail, exc_info=detail is True)
+
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until every queued record has been written or failed (tests, shutdown)."""
+        """Wait until every handed record has been written or failed (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
+        while self._pending or self._inflight:
             if time.monotonic() > deadline:
                 return False
             self._stop.wait(0.005)
@@ -226,3 +255,12 @@ class Recorder:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _pack(cmd: tuple[Any, ...]) -> bytes:
+    """One command as RESP."""
+    parts = [b"*%d\r\n" % len(cmd)]
+    for arg in cmd:
+        raw = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
+    return b"".join(parts)

@@ -37,7 +37,10 @@ class AuditStore:
         self, request_id: str, ip: str
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The record of ``request_id`` and ``ip``'s earlier report of it (None: none)."""
-        q, earlier = self.r.hmget(keys.audit_question(request_id), ["q", f"r:{ip}"])
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(keys.audit_question(request_id))
+        pipe.hget(keys.audit_reports(request_id), f"r:{ip}")
+        q, earlier = pipe.execute()
         if earlier == _CLAIM or earlier == _CLAIM.decode():
             earlier = orjson.dumps({"pending": True})
         return _loads(q), _loads(earlier)
@@ -59,8 +62,10 @@ class AuditStore:
             pipe.sismember(keys.tier_set(ip, "l1"), stop)
             pipe.sismember(keys.l3_set(ip), stop)
         pipe.sismember(keys.INSTANCES, ip)
-        pipe.hsetnx(keys.audit_question(rid), f"r:{ip}", _CLAIM)
+        pipe.hsetnx(keys.audit_reports(rid), f"r:{ip}", _CLAIM)
+        pipe.expire(keys.audit_reports(rid), max(1, int(self.settings.ttl)))
         replies = list(pipe.execute())
+        replies.pop()  # EXPIRE
         claimed, registered = bool(replies.pop()), bool(replies.pop())
         holds: bool | None = None
         if stop:
@@ -71,7 +76,7 @@ class AuditStore:
             done = {_text(m): score for m, score in replies.pop()}
             others = [_text(m) for m in replies.pop()]
             # In flight together: asked within the window and not reported before we asked.
-            concurrent = any(m != rid and done.get(m, asked + 1) > asked for m in others)
+            concurrent = any(m != rid and done.get(m, asked) >= asked for m in others)
         return Evidence(concurrent=concurrent, index_holds_stop=holds), claimed, registered
 
     def save(
@@ -87,7 +92,7 @@ class AuditStore:
         ip, verdict = report.server_ip, str(outcome.verdict)
         explained = "explained" if outcome.explained else "unexplained"
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(keys.audit_question(report.request_id), f"r:{ip}", orjson.dumps(doc))
+        pipe.hset(keys.audit_reports(report.request_id), f"r:{ip}", orjson.dumps(doc))
         if fp:
             done = keys.audit_prefix_done(fp)
             pipe.zadd(done, {report.request_id: int(self.clock() * 1000)}, nx=True)

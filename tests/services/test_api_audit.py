@@ -70,7 +70,7 @@ def _ask(
 
 
 def _recorded(r: redis.Redis, rid: str) -> dict[str, Any]:
-    raw = wait_for(lambda: r.hget(keys.audit_question(rid), "q"), what=f"record {rid}")
+    raw = wait_for(lambda: r.get(keys.audit_question(rid)), what=f"record {rid}")
     doc: dict[str, Any] = orjson.loads(raw)
     return doc
 
@@ -363,3 +363,8 @@ def test_records_over_the_rate_or_the_queue_are_dropped_and_counted(hasher: Bloc
         recorder.offer(f"r{i}", 64, BS, False, hits, hasher.member_keys(PROMPT, BS))
     assert value_of(metrics.audit_records, result="rate_limited") == 2
     recorder.flush(30)
+    held = Recorder(recorder.client, Audit(queue_size=2), metrics)
+    held.stop()  # its writer never drains: the buffer fills
+    for i in range(5):
+        held.offer(f"q{i}", 64, BS, False, hits, hasher.member_keys(PROMPT, BS))
+    assert value_of(metrics.audit_records, result="queue_full") == 3
