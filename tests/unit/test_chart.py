@@ -417,3 +417,5 @@ def test_the_audit_prober_runs_only_when_enabled_and_finds_the_api(
     ]
     ports = {p["port"] for rule in policy["spec"]["egress"] for p in rule.get("ports", [])}
     assert {28080, 8000, "http"} <= ports
+    for doc in (dep, policy):
+        assert _unknown_fields(doc, _MODELS[(doc["apiVersion"], doc["kind"])], doc["kind"]) == []
