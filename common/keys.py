@@ -37,6 +37,7 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:audit:prefix:{<fp>}       | ZSET   | API               | API                      | 2 × ``audit.raceWindow`` (renewed), last 64 members: request ids asked about prompts whose block 0 is fp → time asked (ms) |
 | ci:audit:prefix:{<fp>}:done  | ZSET   | API               | API                      | as the above: those request ids → time their first outcome was reported (ms) |
 | ci:{ip}:audit                | HASH   | API               | API, tools               | 1 day after the last report: the instance's outcome tallies (``services/api/audit_outcome.py``) |
+| ci:{ip}:audit:reports        | ZSET   | API               | API                      | as the above, last 64 members: request ids reported on the instance → time reported (ms) |
 | ci:audit:worst               | ZSET   | API               | API, tools               | forever, ``audit.worstInstances`` members: ip → unexplained discrepancies |
 | ci:audit:recent              | LIST   | API               | API, tools               | forever, ``audit.recent`` entries: the latest discrepancies as JSON |
 | ci:audit:totals              | HASH   | API               | API, tools               | forever: outcome counts by verdict and explanation, over all replicas |
@@ -167,6 +168,11 @@ def audit_prefix_done(first_block: str) -> str:
 def audit_instance(ip: str) -> str:
     """One instance's outcome tallies."""
     return f"{_tag(ip)}:audit"
+
+
+def audit_instance_reports(ip: str) -> str:
+    """The latest outcome reports on one instance, by time (the concurrent-traffic check)."""
+    return f"{_tag(ip)}:audit:reports"
 
 
 AUDIT_WORST = f"{PREFIX}:audit:worst"

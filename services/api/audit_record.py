@@ -9,7 +9,7 @@ is a 400. Without an id nothing is recorded and the answer is unchanged byte for
 Recording never slows the answer nor fails it: the request thread only appends the hits it
 computed anyway to a bounded in-memory buffer (:class:`Recorder`); a writer thread per API
 worker wakes every 20 ms, builds the JSON and sends the buffer to Redis in pipelined
-batches. What happens to every offered
+batches (a worker that stops loses at most its last 20 ms of records). What happens to every offered
 record is counted (``cache_indexer_api_audit_records_total{result}``): ``recorded``,
 ``rate_limited`` (more than ``audit.maxRecordsPerSecond`` in this worker), ``queue_full``
 (Redis slower than the requests, ``audit.queueSize``) or ``redis_error`` (logged). So the

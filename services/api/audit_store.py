@@ -61,12 +61,14 @@ class AuditStore:
         if stop:
             pipe.sismember(keys.tier_set(ip, "l1"), stop)
             pipe.sismember(keys.l3_set(ip), stop)
+        pipe.zcount(keys.audit_instance_reports(ip), f"({asked}", "+inf")
         pipe.sismember(keys.INSTANCES, ip)
         pipe.hsetnx(keys.audit_reports(rid), f"r:{ip}", _CLAIM)
         pipe.expire(keys.audit_reports(rid), max(1, int(self.settings.ttl)))
         replies = list(pipe.execute())
         replies.pop()  # EXPIRE
         claimed, registered = bool(replies.pop()), bool(replies.pop())
+        busy = int(replies.pop()) > 0
         holds: bool | None = None
         if stop:
             in_l3, in_l1 = bool(replies.pop()), bool(replies.pop())
@@ -77,7 +79,8 @@ class AuditStore:
             others = [_text(m) for m in replies.pop()]
             # In flight together: asked within the window and not reported before we asked.
             concurrent = any(m != rid and done.get(m, asked) >= asked for m in others)
-        return Evidence(concurrent=concurrent, index_holds_stop=holds), claimed, registered
+        evidence = Evidence(concurrent=concurrent, index_holds_stop=holds, instance_busy=busy)
+        return evidence, claimed, registered
 
     def save(
         self,
@@ -109,6 +112,10 @@ class AuditStore:
                 pipe.hincrby(tally, "unexplained", 1)
             pipe.hset(tally, "last_report_ms", int(self.clock() * 1000))
             pipe.expire(tally, INSTANCE_TTL)
+            reported = keys.audit_instance_reports(ip)
+            pipe.zadd(reported, {report.request_id: int(self.clock() * 1000)})
+            pipe.zremrangebyrank(reported, 0, -(PREFIX_MEMBERS + 1))
+            pipe.expire(reported, INSTANCE_TTL)
             if not outcome.explained:
                 pipe.zincrby(keys.AUDIT_WORST, 1, ip)
                 pipe.zremrangebyrank(keys.AUDIT_WORST, 0, -(self.settings.worst_instances + 1))

@@ -19,12 +19,15 @@ cannot avoid, and **unexplained** when it points at a fault:
   was in flight with this one — asked from ``raceWindow`` before it until its report, and
   not reported before it was asked: concurrent requests evict and store the same blocks
   between routing and scheduling;
+- ``concurrent_traffic`` (over, explained): another request's outcome was reported on the
+  same instance between this question and its report: with requests in flight together the
+  engine evicts blocks between routing and scheduling that the index still held;
 - unexplained: ``prompt_length_differs`` (the engine saw another number of tokens than the
   router asked about: a chat template, an extra BOS), ``block_size_differs``,
   ``engine_blocks_not_indexed`` (under, and the index does not hold the engine's blocks under
   the question's hashes: other tokens, salt, block size or hash settings than asked about, or
   the instance's events are not arriving), ``evicted_or_wrong_key`` (over, no concurrent
-  question), ``realized_exceeds_prompt``.
+  question, no concurrent traffic), ``realized_exceeds_prompt``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Cause(StrEnum):
     LOWER_BOUND = "lower_bound_answer"
     INDEXED_AFTER = "indexed_after_question"
     CONCURRENT = "concurrent_question"
+    CONCURRENT_TRAFFIC = "concurrent_traffic"
     PROMPT_LENGTH = "prompt_length_differs"
     BLOCK_SIZE = "block_size_differs"
     NOT_INDEXED = "engine_blocks_not_indexed"
@@ -51,7 +55,9 @@ class Cause(StrEnum):
     EXCEEDS_PROMPT = "realized_exceeds_prompt"
 
 
-EXPLAINED = frozenset({Cause.LOWER_BOUND, Cause.INDEXED_AFTER, Cause.CONCURRENT})
+EXPLAINED = frozenset(
+    {Cause.LOWER_BOUND, Cause.INDEXED_AFTER, Cause.CONCURRENT, Cause.CONCURRENT_TRAFFIC}
+)
 CALLER_REASONS = frozenset({"request_block_size_differs"})
 """Inexact reasons that are the caller's mistake, not a limit of the index."""
 
@@ -64,6 +70,8 @@ class Evidence:
     """Another question about the same prefix within the race window."""
     index_holds_stop: bool | None = None
     """The instance's index now holds the block where the prediction stopped (None: unknown)."""
+    instance_busy: bool = False
+    """Another outcome was reported on the instance between the question and this report."""
 
 
 @dataclass(frozen=True)
@@ -141,4 +149,6 @@ def _cause(
         if reasons:
             return Cause.LOWER_BOUND
         return Cause.INDEXED_AFTER if evidence.index_holds_stop else Cause.NOT_INDEXED
-    return Cause.CONCURRENT if evidence.concurrent else Cause.EVICTED_OR_WRONG_KEY
+    if evidence.concurrent:
+        return Cause.CONCURRENT
+    return Cause.CONCURRENT_TRAFFIC if evidence.instance_busy else Cause.EVICTED_OR_WRONG_KEY

@@ -3,6 +3,7 @@ recorded under a request id, outcome reports classified, the audit view, bad inp
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import falcon.testing
@@ -217,6 +218,8 @@ def test_over_is_explained_only_by_a_concurrent_question_on_the_same_prefix(
     doc = _report(client, request_id="r-2", server_ip=A, cached_tokens=16).json
     assert (doc["cause"], doc["explained"]) == ("concurrent_question", True)  # r-1 in flight
     # Asked after every other question on the prefix was reported: nothing raced it.
+    done = redis_client.zscore(keys.audit_prefix_done(str(_members(hasher)[0])), "r-2")
+    wait_for(lambda: time.time() * 1000 > (done or 0) + 1, what="the clock to pass the report")
     _ask(client, [A], "r-seq")
     _recorded(redis_client, "r-seq")
     doc = _report(client, request_id="r-seq", server_ip=A, cached_tokens=16).json
@@ -224,6 +227,24 @@ def test_over_is_explained_only_by_a_concurrent_question_on_the_same_prefix(
     _recorded(redis_client, "r-alone")
     doc = _report(client, request_id="r-alone", server_ip=A, cached_tokens=16).json
     assert (doc["verdict"], doc["cause"]) == ("under", "engine_blocks_not_indexed")
+
+
+def test_over_is_explained_by_another_report_on_the_instance_while_in_flight(
+    store: Store, hasher: BlockHasher, redis_client: redis.Redis
+) -> None:
+    """Concurrent requests on one instance evict each other's blocks between routing and
+    scheduling; a router that sends one request at a time never sees that."""
+    _populate(store, A, _members(hasher))
+    client = _client(store, hasher)
+    _ask(client, [A], "t-a")
+    asked = _recorded(redis_client, "t-a")["t"]
+    _ask(client, [A], "t-b", tokens=[9] + PROMPT[1:])  # another prefix: no race on it
+    _recorded(redis_client, "t-b")
+    wait_for(lambda: time.time() * 1000 > asked + 1, what="the clock to pass the question")
+    assert _report(client, request_id="t-b", server_ip=A, cached_tokens=0).status_code == 200
+    doc = _report(client, request_id="t-a", server_ip=A, cached_tokens=16).json
+    assert (doc["verdict"], doc["cause"], doc["explained"]) == ("over", "concurrent_traffic", True)
+    assert redis_client.zcard(keys.audit_instance_reports(A)) == 2
 
 
 def test_reports_for_unknown_questions_and_non_candidates(

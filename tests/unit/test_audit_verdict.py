@@ -51,6 +51,8 @@ def test_the_prediction_is_the_longer_tier_and_exact_needs_no_cause() -> None:
         (_cand(16), 64, 64, Evidence(index_holds_stop=True), "under", Cause.EXCEEDS_PROMPT, False),
         (_cand(48), 16, None, Evidence(concurrent=True), "over", Cause.CONCURRENT, True),
         (_cand(48), 16, None, Evidence(), "over", Cause.EVICTED_OR_WRONG_KEY, False),
+        (_cand(48), 16, None, Evidence(instance_busy=True), "over", Cause.CONCURRENT_TRAFFIC, True),
+        (_cand(16), 48, None, Evidence(instance_busy=True), "under", Cause.NOT_INDEXED, False),
         (
             _cand(48, r1=("unknown_group_kind",)),
             16,
