@@ -162,6 +162,10 @@ class DiscoveryVLLM:
     replay_port_name: str = ""
     replay_port: int = 0
     data_parallel_size: int = 1
+    http_port_name: str = "http"
+    """This project's own: the container port name of vLLM's OpenAI-compatible server (what
+    the audit probes send requests to), else ``httpPort``; ``httpPort: 0`` = none."""
+    http_port: int = 8000
 
 
 @dataclass
@@ -181,6 +185,8 @@ class StaticVLLM:
     name: str = ""
     role: str = ""
     model: str = ""
+    http_endpoint: str = ""
+    """``http://host:port`` of the instance's OpenAI-compatible server (audit probes)."""
 
 
 @dataclass
@@ -268,6 +274,22 @@ class Ingest:
 
 
 @dataclass
+class AuditProbe:
+    """``audit.probe``: the active audit (``cache-indexer audit-probe``), off by default."""
+
+    enabled: bool = False
+    api_url: str = "http://127.0.0.1:28080"
+    interval: Duration = _f(Duration(60))
+    concurrency: int = 4
+    timeout: Duration = _f(Duration(30))
+    index_deadline: Duration = _f(Duration(10))
+    model: str = ""
+    prompt_blocks: int = 4
+    block_size: int = 16
+    cache_salt: str = "cache-indexer-probe"
+
+
+@dataclass
 class Metrics:
     port: int = 0
     addr: str = "127.0.0.1"
@@ -287,6 +309,7 @@ class Audit:
     max_report_bytes: int = 4096
     recent: int = 100
     worst_instances: int = 100
+    probe: AuditProbe = _f(AuditProbe)
 
 
 @dataclass
@@ -460,8 +483,26 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         problems.append("ingest.l3.pollInterval: must be > 0")
     if cfg.metrics.liveness_timeout <= 0:
         problems.append("metrics.livenessTimeout: must be > 0")
+    _check_probe(cfg.audit.probe, problems)
     _check_redis(cfg.redis, problems)
     _check_l3_keys(cfg.ingest.l3, problems)
+
+
+def _check_probe(p: AuditProbe, problems: list[str]) -> None:
+    for name, value in (
+        ("interval", p.interval),
+        ("timeout", p.timeout),
+        ("indexDeadline", p.index_deadline),
+        ("concurrency", p.concurrency),
+        ("promptBlocks", p.prompt_blocks),
+        ("blockSize", p.block_size),
+    ):
+        if value <= 0:
+            problems.append(f"audit.probe.{name}: must be > 0, got {value}")
+    if not p.api_url.startswith(("http://", "https://")):
+        problems.append(f"audit.probe.apiUrl: {p.api_url!r} is not an http(s):// URL")
+    if not p.cache_salt:
+        problems.append("audit.probe.cacheSalt: the probes need a salt of their own")
 
 
 def _sentinel_from_env(s: RedisSentinel, env: dict[str, str]) -> None:

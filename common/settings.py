@@ -11,6 +11,7 @@ section. Every object is a frozen dataclass built by its ``from_config`` classme
   ``ingest.l1.backoffInitial``/``backoffMax``, the master URL scheme from ``ingest.l3.scheme``;
 * :class:`L1IngestSettings`: ``ingest.l1.*`` and ``blockKey.*`` (the hash self-check);
 * :class:`L3PollerSettings`: ``ingest.l3.*`` and ``discovery.segmentsFetchTimeout``;
+* :class:`ProberSettings` (``cache-indexer audit-probe``): ``audit.probe.*``;
 * :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`),
   ``ingest.l1.noEventsAfter``/``leaseTTL`` (the instance states it reports), ``log.level``
   (gunicorn's own log level) and ``audit.*`` (the prediction audit).
@@ -31,6 +32,7 @@ from common.blockhash import HashSettings
 from common.config import (
     HTTP,
     Audit,
+    AuditProbe,
     KEY_FORMATS,
     Config,
     DiscoveryMode,
@@ -54,6 +56,7 @@ from common.status_report import Limits
 # The settings' defaults are the config file's (common.config writes each once); they serve
 # code that builds settings without a file: tests, benchmarks and the simulator's tools.
 _HTTP, _L1, _L3, _DISCOVERY = HTTP(), IngestL1(), IngestL3(), Config().discovery
+_PROBE = AuditProbe()
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,44 @@ class ApiSettings:
             instance_limits=instance_limits(cfg),
             log_level=cfg.log.level,
             audit=cfg.audit,
+        )
+
+
+@dataclass(frozen=True)
+class ProberSettings:
+    """The audit prober's settings (``audit.probe``; seconds for the durations)."""
+
+    enabled: bool = _PROBE.enabled
+    api_url: str = _PROBE.api_url
+    """Base URL of the hit-rate API the prober asks and reports to."""
+    interval: float = float(_PROBE.interval)
+    """At most one probe per instance per interval."""
+    concurrency: int = _PROBE.concurrency
+    timeout: float = float(_PROBE.timeout)
+    """One probe's whole budget (its HTTP calls and its wait for the index)."""
+    index_deadline: float = float(_PROBE.index_deadline)
+    """How long the index may take to show the probe's blocks ("events_missing" after)."""
+    model: str = _PROBE.model
+    """The served model name ('' = the instance's ``GET /v1/models``)."""
+    prompt_blocks: int = _PROBE.prompt_blocks
+    block_size: int = _PROBE.block_size
+    """Block size when the index has not learned the instance's (no events yet)."""
+    cache_salt: str = _PROBE.cache_salt
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ProberSettings:
+        p = cfg.audit.probe
+        return cls(
+            enabled=p.enabled,
+            api_url=p.api_url.rstrip("/"),
+            interval=float(p.interval),
+            concurrency=p.concurrency,
+            timeout=float(p.timeout),
+            index_deadline=float(p.index_deadline),
+            model=p.model,
+            prompt_blocks=p.prompt_blocks,
+            block_size=p.block_size,
+            cache_salt=p.cache_salt,
         )
 
 

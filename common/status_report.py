@@ -99,6 +99,7 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
     return {
         "server_ip": ip,
         "pod": parts["meta"].get("pod", ""),
+        "http": parts["meta"].get("http") or None,
         "l1": {
             "state": state,
             "state_detail": why,

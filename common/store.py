@@ -42,6 +42,8 @@ class Instance:
     gen: int = 0
     model: str = ""
     """The served model, when discovery knows it (matched against ``ingest.l1.models``)."""
+    http_endpoint: str = ""
+    """``http://host:port`` of the instance's OpenAI-compatible server ('' = unknown)."""
 
     def meta_fields(self) -> list[str]:
         return [
@@ -57,6 +59,8 @@ class Instance:
             self.role,
             "model",
             self.model,
+            "http",
+            self.http_endpoint,
         ]
 
     @classmethod
@@ -72,6 +76,7 @@ class Instance:
             restarts=meta.get("restarts", "0"),
             gen=int(meta.get("gen", "0") or 0),
             model=meta.get("model", ""),
+            http_endpoint=meta.get("http", ""),
         )
 
 

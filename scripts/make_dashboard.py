@@ -300,6 +300,16 @@ def _audit_rows() -> list[Panel]:
             ),
         ),
         Panel("Audit records/s by result", "ops", ((records, "{{result}}"),)),
+        Panel(
+            "Audit probes/s by outcome",
+            "ops",
+            (
+                (
+                    f"sum by (outcome) (rate(cache_indexer_probe_outcomes_total[{RATE}]))",
+                    "{{outcome}}",
+                ),
+            ),
+        ),
     ]
 
 

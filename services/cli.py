@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "discovery": ("services.discovery.main", "find vLLM pods and Mooncake masters"),
     "l1-ingest": ("services.l1_ingest.main", "index vLLM GPU blocks from ZMQ KV events"),
     "l3-poll": ("services.l3_poller.main", "index Mooncake (L3) blocks by polling masters"),
+    "audit-probe": ("services.prober.main", "probe each vLLM instance: index answer vs reuse"),
     "simulate-vllm": ("services.simulator.main", "a vLLM KV-event publisher simulator"),
     "local-stack": ("services.tools.local_stack", "run the whole system locally"),
     "hash": ("services.tools.hash_cmd", "print vLLM block hashes of token ids on stdin"),

@@ -2,9 +2,9 @@
 expressions select: the alert rules and dashboard queries are checked against the first.
 
 :func:`exported` builds every process's metrics the way the processes do — the workers'
-registries (:class:`~services.l1_ingest.metrics.IngestMetrics`, the L3 poller's and
-discovery's), the API's (:class:`~services.api.api_metrics.ApiMetrics`), the probes' gauges
-(:func:`common.metrics.serve`) and the API's scrape-time gauges over a real Redis
+registries (:class:`~services.l1_ingest.metrics.IngestMetrics`, the L3 poller's,
+discovery's and the audit prober's), the API's (:class:`~services.api.api_metrics.ApiMetrics`),
+the probes' gauges (:func:`common.metrics.serve`) and the API's scrape-time gauges over a real Redis
 (:func:`services.api.instances.status_metrics`) — and lists every sample name it can expose
 (``_total`` for counters, ``_bucket``/``_count``/``_sum`` for histograms) with its labels.
 """
@@ -27,6 +27,7 @@ from services.api.instances import status_metrics
 from services.discovery.metrics import DiscoveryMetrics
 from services.l1_ingest.metrics import IngestMetrics
 from services.l3_poller.metrics import PollerMetrics
+from services.prober.metrics import ProberMetrics
 
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
 # PromQL words that look like a metric name, and what `by (...)` may name besides labels.
@@ -60,6 +61,7 @@ def exported(client: redis.Redis, populate: Any) -> dict[str, set[str]]:
     IngestMetrics(workers)
     PollerMetrics.register(workers)
     DiscoveryMetrics.register(workers)
+    ProberMetrics.register(workers)
     catalog.update(_registry_catalog(workers.collector))
     api = ApiMetrics()
     catalog.update(_registry_catalog(api.registry.collector))

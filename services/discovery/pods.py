@@ -10,7 +10,9 @@ Rules (the label keys and values come only from ``discovery.labels``):
   registry, so a pod that stops being ready leaves it.
 - vLLM instance: ``engineKey=engineValue`` and ``pdRoleKey`` in ``pdRoleValue`` (an empty
   ``pdRoleValue`` list means any role). Its ZMQ port is the container port named
-  ``vllm.zmqPortName``, else ``vllm.zmqPort``; likewise the optional replay port.
+  ``vllm.zmqPortName``, else ``vllm.zmqPort``; likewise the optional replay port and the
+  OpenAI-compatible HTTP port (``vllm.httpPortName``/``httpPort``, registered as
+  ``http://<ip>:<port>`` for the audit probes; ``httpPort: 0`` and no named port = none).
 - Mooncake master: ``kvManagerKey=kvManagerValue``; ports ``httpPortName``/``rpcPortName``,
   else the numeric ``httpPort``/``rpcPort``. Registered as ``<scheme>://<ip>:<http>`` →
   ``{"ip", "pod", "rpc"}`` JSON.
@@ -104,6 +106,7 @@ def vllm_instance(pod: Pod, labels: Labels, vllm: DiscoveryVLLM) -> Instance | N
     meta, ip = pod.get("metadata") or {}, str(pod["status"]["podIP"])
     container = _vllm_container(pod, vllm.zmq_port_name)
     replay_port = _port(pod, vllm.replay_port_name, vllm.replay_port)
+    http_port = _port(pod, vllm.http_port_name, vllm.http_port)
     return Instance(
         ip=ip,
         uid=str(meta.get("uid") or meta.get("name") or ip),
@@ -114,6 +117,7 @@ def vllm_instance(pod: Pod, labels: Labels, vllm: DiscoveryVLLM) -> Instance | N
         role=_labels(pod).get(labels.pd_role_key, ""),
         restarts=restart_token(pod, container),
         model=_labels(pod).get(labels.model_key, "") if labels.model_key else "",
+        http_endpoint=f"http://{host_port(ip, http_port)}" if http_port > 0 else "",
     )
 
 

@@ -11,8 +11,9 @@ logged and ignored — the last good lists stay. Add/remove semantics are those 
 Kubernetes mode: an entry that disappears is removed from the registry with its data.
 
 An entry's uid is ``static:<ip>|<zmqEndpoint>|<replayEndpoint>``, so changing an entry's
-endpoints registers a new instance (old data dropped) while changing its name, role or
-DP size only updates it. ``ip`` may be left out; it is then the host of ``zmqEndpoint``.
+endpoints registers a new instance (old data dropped) while changing its name, role, DP
+size or ``httpEndpoint`` (the OpenAI-compatible server the audit probes use) only updates
+it. ``ip`` may be left out; it is then the host of ``zmqEndpoint``.
 
 An entry whose ZMQ or replay endpoint an ingester cannot connect to (a wildcard host such as
 vLLM's own ``tcp://*:5557``, a tcp endpoint without a port: see
@@ -54,6 +55,10 @@ def desired_from(static: Static) -> Desired:
             problems.append(f"{where}.zmqEndpoint: {e.zmq_endpoint!r} is not like tcp://host:port")
         if e.replay_endpoint and "://" not in e.replay_endpoint:
             problems.append(f"{where}.replayEndpoint: {e.replay_endpoint!r} is not an endpoint")
+        if e.http_endpoint and not _is_http_url(e.http_endpoint):
+            problems.append(
+                f"{where}.httpEndpoint: {e.http_endpoint!r} is not like http://host:port"
+            )
         if not ip:
             problems.append(f"{where}.ip: missing")
         elif ip in instances:
@@ -72,6 +77,7 @@ def desired_from(static: Static) -> Desired:
             role=e.role,
             restarts="0",
             model=e.model,
+            http_endpoint=e.http_endpoint.rstrip("/"),
         )
     masters: dict[str, str] = {}
     for i, m in enumerate(static.mooncake_masters):
@@ -97,6 +103,14 @@ def _unconnectable(where: str, zmq_endpoint: str, replay_endpoint: str) -> bool:
             )
             skip = True
     return skip
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and bool(parts.port)
+    except ValueError:
+        return False
 
 
 def _host(url: str) -> str | None:

@@ -48,7 +48,7 @@ from tests.unit.test_alert_rules import RULES, load_rules
 
 A, B, C = "127.0.0.71", "127.0.0.72", "127.0.0.73"
 BLOCK = 16
-JOBS = ("api", "discovery", "l1-ingest", "l3-poll")
+JOBS = ("api", "discovery", "l1-ingest", "l3-poll", "audit-probe")
 RATE_INTERVAL = "15s"  # what the dashboard's $__rate_interval stands for at a 1 s scrape
 # Series that exist only once their fault happened: checked after step 4.
 AFTER_REDIS_STOPS = {"cache_indexer_api_redis_errors_total"}

@@ -16,6 +16,9 @@ poller has polled since), ask ``POST /kv-cache/hit-rate?detail=1``, send the pro
 engine and record ``usage.prompt_tokens_details.cached_tokens``. The driver watches the
 engine's KV events on a SUB socket of its own (gaps filled from the replay endpoint) and,
 with ``--capture-dir``, writes them with the per-request hits (tests/data/hybrid/CAPTURES.md).
+Every question carries a ``request_id`` and every answer is reported to
+``POST /kv-cache/outcome`` (the passive audit's verdict is in the row); after the workload,
+the audit phases of tests/integration/vllm_audit.py run on the same engine (``--audit``).
 It compares nothing: the test asserts.
 """
 
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,7 @@ import yaml  # noqa: E402
 
 from common.blockhash import BlockHasher, HashSettings  # noqa: E402
 from tests.conftest import Node, RedisServer, child_env, reserve_port, wait_for  # noqa: E402
+from tests.integration import vllm_audit  # noqa: E402
 from tests.integration import vllm_engine as ve  # noqa: E402
 from tests.store_oracle import OracleStore  # noqa: E402
 
@@ -99,6 +104,8 @@ class Run:
         self.api, self.l3_metrics = reserve_port(), reserve_port()
         self.master_rpc, self.master_admin = reserve_port(), reserve_port()
         self.master_url = ""
+        self.ip, self.probe_metrics = IP, reserve_port()
+        self.by_log: dict[str, subprocess.Popen[bytes]] = {}
         self.capture: ve.Capture | None = None
         self.hasher = BlockHasher(HashSettings())
 
@@ -114,7 +121,11 @@ class Run:
             start_new_session=True,
         )
         self.procs.append(proc)
+        self.by_log[log] = proc
         return proc
+
+    def spawn(self, log: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        return self._spawn(log, argv, child_env())
 
     def start(self) -> None:
         mooncake_config = None
@@ -147,7 +158,7 @@ class Run:
             ve.engine_argv(model_dir, self.name, IP, self.engine_port, self.pub, self.replay),
             ve.engine_env(IP, mooncake_config),
         )
-        config = self._write_config()
+        config = self.config = self._write_config()
         env = child_env()
         for name in ("discovery", "l1-ingest", "api"):
             self._spawn(
@@ -180,6 +191,7 @@ class Run:
                     "name": f"vllm-{self.name}",
                     "zmqEndpoint": f"tcp://{IP}:{self.pub}",
                     "replayEndpoint": f"tcp://{IP}:{self.replay}",
+                    "httpEndpoint": f"http://{IP}:{self.engine_port}",
                 }
             ]
         }
@@ -193,6 +205,7 @@ class Run:
                     "http": {"addr": f"127.0.0.1:{self.api}", "workers": 1},
                     "blockKey": {"vllmVersion": ve.VLLM_VERSION},
                     "discovery": {"mode": "static", "static": static},
+                    "audit": {"probe": vllm_audit.probe_config(self)},
                     "ingest": {
                         "l1": {
                             "topic": ve.TOPIC,
@@ -300,11 +313,12 @@ class Run:
             if line.startswith("cache_indexer_l3_write_seconds_count")
         )
 
-    def ask_index(self, prompt: list[int]) -> dict[str, Any]:
+    def ask_index(self, prompt: list[int], request_id: str) -> dict[str, Any]:
+        body = {"token_ids": prompt, "block_size": ve.BLOCK}
         doc = httpx.post(
             f"http://127.0.0.1:{self.api}/kv-cache/hit-rate",
             params={"detail": 1},
-            json={"server_ip": [IP], "body": {"token_ids": prompt, "block_size": ve.BLOCK}},
+            json={"server_ip": [IP], "body": body, "request_id": request_id},
             timeout=10,
         ).json()
         return dict(doc["server_score_list"][0])
@@ -325,7 +339,8 @@ class Run:
         answered = time.monotonic()
         for i, prompt in enumerate(prompts):
             note = self.settle(previous, answered)
-            score = self.ask_index(prompt)
+            rid = f"router-{uuid.uuid4().hex}"
+            score = self.ask_index(prompt, rid)
             cached = self.ask_engine(prompt)
             answered = time.monotonic()
             rows.append(
@@ -334,6 +349,7 @@ class Run:
                     "len": len(prompt),
                     **predict(score, len(prompt), self.spec["mooncake"]),
                     "cached_tokens": cached,
+                    "verdict": _verdict(self, rid, cached, len(prompt)),
                     **note,
                     "score": score,
                 }
@@ -342,6 +358,15 @@ class Run:
         assert self.capture is not None
         self.capture.wait_quiet(answered)
         return {"rows": rows, "prompts": prompts}
+
+
+def _verdict(run: Run, rid: str, cached: int, prompt_tokens: int) -> str:
+    """The passive audit's verdict on one routed request (an error is recorded, not raised:
+    the workload's own comparison must not depend on the audit)."""
+    try:
+        return str(vllm_audit.report(run, rid, cached, prompt_tokens).get("verdict"))
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        return f"error: {exc!r}"[:300]
 
 
 def _applied(seq: int | None, last: int) -> bool:
@@ -425,7 +450,12 @@ def write_capture(
 
 
 def run_model(
-    name: str, tmp: Path, server: Node, seed: int, capture_dir: Path | None
+    name: str,
+    tmp: Path,
+    server: Node,
+    seed: int,
+    capture_dir: Path | None,
+    audit_phases: bool = False,
 ) -> dict[str, Any]:
     redis.Redis.from_url(server.url).flushall()
     run = Run(name, tmp, server.url)
@@ -456,11 +486,13 @@ def run_model(
                     "exact",
                     "reason",
                     "detail",
+                    "verdict",
                 )
             }
             for r in out["rows"]
         ]
-        return {"model": name, "summary": summary, "rows": rows}
+        audit = vllm_audit.run_phases(run, name, seed) if audit_phases else {}
+        return {"model": name, "summary": summary, "rows": rows, "audit": audit}
     except Exception as exc:  # noqa: BLE001 - reported to the test with the logs
         return {
             "model": name,
@@ -478,15 +510,14 @@ def main() -> int:
     p.add_argument("--models", default=",".join(ve.MODELS))
     p.add_argument("--seed", type=int, default=18)
     p.add_argument("--capture-dir", type=Path)
+    p.add_argument("--audit", action="store_true", help="the audit phases after each workload")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="vllm-engine-") as tmp:
         server = RedisServer().start()
         try:
             for name in args.models.split(","):
-                print(
-                    json.dumps(run_model(name, Path(tmp), server, args.seed, args.capture_dir)),
-                    flush=True,
-                )
+                result = run_model(name, Path(tmp), server, args.seed, args.capture_dir, args.audit)
+                print(json.dumps(result), flush=True)
         finally:
             server.cleanup()
     return 0

@@ -39,7 +39,9 @@ def _now_ms(store: Store) -> int:
 def populate(store: Store) -> None:
     """One followed, hash-checked instance with L3 data, one nobody follows, one master."""
     now = _now_ms(store)
-    _, gen = store.upsert_instance(Instance("10.0.0.5", "uid-a", pod="vllm-a"))
+    _, gen = store.upsert_instance(
+        Instance("10.0.0.5", "uid-a", pod="vllm-a", http_endpoint="http://10.0.0.5:8000")
+    )
     store.upsert_instance(Instance("10.0.0.6", "uid-b", pod="vllm-b"))
     store.heartbeat_ingester("ing-1", 60_000)
     assert store.claim_instance("10.0.0.5", "ing-1", 60_000)
@@ -93,7 +95,8 @@ def test_document_shape(any_store: Store) -> None:
     doc = orjson.loads(result.content)
     assert set(doc) == {"instances", "masters"}
     a, b = doc["instances"]
-    assert set(a) == {"server_ip", "pod", "l1", "l3", "groups"}
+    assert set(a) == {"server_ip", "pod", "http", "l1", "l3", "groups"}
+    assert (a["http"], b["http"]) == ("http://10.0.0.5:8000", None)
     assert (a["groups"]["hybrid"], a["groups"]["exact"], a["groups"]["inexact_reasons"]) == (
         False,
         True,

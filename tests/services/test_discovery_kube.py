@@ -395,3 +395,27 @@ def test_in_cluster_config_https_token_and_namespace(
             d.close()
     finally:
         server.stop()
+
+
+def test_http_port_is_registered_and_a_registry_without_it_is_updated_in_place(
+    kube: FakeKube, start: Start, store: Store
+) -> None:
+    a = kube.add_pod(vllm_pod("a", "10.0.0.1", ports={"zmq-pub": 6000, "http": 8001}))
+    uid_b = kube.add_pod(vllm_pod("b", "10.0.0.2"))["metadata"]["uid"]
+    # What an older release registered for b: the same pod, no HTTP endpoint, some blocks.
+    restarts = "0:1704067200"
+    _, gen_b = store.upsert_instance(
+        Instance("10.0.0.2", uid_b, pod="b", zmq_endpoint="tcp://10.0.0.2:5557", restarts=restarts)
+    )
+    fill(store, "10.0.0.2")
+    d = start()
+    wait_for(
+        lambda: getattr(store.get_instance("10.0.0.2"), "http_endpoint", "") != "",
+        what="b to gain its HTTP endpoint",
+    )
+    a_inst, b_inst = store.get_instance("10.0.0.1"), store.get_instance("10.0.0.2")
+    assert a_inst is not None and a_inst.uid == a["metadata"]["uid"]
+    assert a_inst.http_endpoint == "http://10.0.0.1:8001"
+    assert b_inst is not None and b_inst.http_endpoint == "http://10.0.0.2:8000"
+    assert b_inst.gen == gen_b and store.tier_members("10.0.0.2") == {11, 12, 13}
+    wait_for(lambda: d.count("changes", action="updated") == 1, what="b updated, not replaced")

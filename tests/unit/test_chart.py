@@ -34,7 +34,7 @@ CONFIG_SECTIONS = ("http", "log", "blockKey", "discovery", "ingest", "audit")
 # in a pod the in-cluster credentials are used.
 NOT_IN_VALUES = {"discovery.static", "discovery.kubeconfig"}
 # Chart defaults that deliberately differ from the config file's defaults.
-CHART_OVERRIDES = {"log.format": "json", "http.addr": ""}
+CHART_OVERRIDES = {"log.format": "json", "http.addr": "", "audit.probe.apiUrl": ""}
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -104,9 +104,12 @@ def test_config_sections_are_exactly_the_config_schema() -> None:
 def test_config_section_defaults_match_the_service_defaults(tmp_path: Path) -> None:
     sections = {k: VALUES[k] for k in CONFIG_SECTIONS}
     for dotted, expected in CHART_OVERRIDES.items():
-        section, key = dotted.split(".")
-        assert sections[section][key] == expected
-        del sections[section][key]
+        *parents, key = dotted.split(".")
+        node = sections
+        for part in parents:
+            node = node[part]
+        assert node[key] == expected
+        del node[key]
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(sections))
     loaded, defaults = load_config(path, env={}), Config()
@@ -381,3 +384,38 @@ def test_every_redis_and_metrics_key_reaches_the_rendered_config(helm: Any) -> N
     assert set(CHART_FILLS_OTHERWISE) <= schema, "a listed key the config no longer has"
     wanted = schema - set(CHART_FILLS_OTHERWISE)
     assert wanted - set(rendered) == set(), "config keys the chart's ConfigMap never renders"
+
+
+def test_the_audit_prober_runs_only_when_enabled_and_finds_the_api(
+    helm: Any, tmp_path: Path
+) -> None:
+    docs = _render(helm)
+    components = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs["Deployment"]
+    }
+    assert "audit-probe" not in components
+    assert (
+        _rendered_config(docs, tmp_path).audit.probe.api_url == "http://cache-indexer-service:8080"
+    )
+    docs = _render(
+        helm,
+        {"audit": {"probe": {"enabled": True}}, "networkPolicy": {"enabled": True}},
+    )
+    dep = _deployment(docs, "audit-probe")
+    assert dep["spec"]["replicas"] == 1
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "audit-probe" and "audit-probe" in SUBCOMMANDS
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    cfg = _rendered_config(docs, tmp_path)
+    assert (
+        cfg.audit.probe.enabled and cfg.audit.probe.api_url == "http://cache-indexer-service:8080"
+    )
+    (policy,) = [
+        p
+        for p in docs["NetworkPolicy"]
+        if p["metadata"]["labels"]["app.kubernetes.io/component"] == "audit-probe"
+    ]
+    ports = {p["port"] for rule in policy["spec"]["egress"] for p in rule.get("ports", [])}
+    assert {28080, 8000, "http"} <= ports
+    for doc in (dep, policy):
+        assert _unknown_fields(doc, _MODELS[(doc["apiVersion"], doc["kind"])], doc["kind"]) == []

@@ -35,9 +35,8 @@ def _mounts(service: str) -> dict[str, Path]:
 def test_monitoring_runs_only_with_its_profile() -> None:
     for name in ("prometheus", "grafana"):
         assert SERVICES[name]["profiles"] == ["monitoring"]
-    assert all(
-        "profiles" not in s for n, s in SERVICES.items() if n not in ("prometheus", "grafana")
-    )
+    optional = ("prometheus", "grafana", "audit-probe")  # audit-probe: profile "audit"
+    assert all("profiles" not in s for n, s in SERVICES.items() if n not in optional)
 
 
 def test_prometheus_config_is_valid_with_the_charts_rules(tmp_path: Path) -> None:

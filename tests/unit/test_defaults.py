@@ -18,7 +18,7 @@ import yaml
 
 from common import config
 from common.config import HTTP, Config, Duration, choice_keys, load_config, parse_duration
-from common.settings import ApiSettings, L1IngestSettings, L3PollerSettings
+from common.settings import ApiSettings, L1IngestSettings, L3PollerSettings, ProberSettings
 from services.api import hit_rate
 from services.api.transport.deadlines import Limits as WorkerLimits
 
@@ -29,6 +29,7 @@ CONFIG_SECTIONS = ("http", "log", "blockKey", "discovery", "ingest", "audit")
 CHART_DIFFERS = {
     "http.addr": "",  # filled in from service.targetPort by the ConfigMap template
     "log.format": "json",  # JSON lines when deployed
+    "audit.probe.apiUrl": "",  # filled in with the API Service by the ConfigMap template
 }
 
 
@@ -60,6 +61,7 @@ def test_the_settings_defaults_are_the_config_files() -> None:
     assert L1IngestSettings() == L1IngestSettings.from_config(cfg)
     assert L3PollerSettings() == L3PollerSettings.from_config(cfg)
     assert ApiSettings() == ApiSettings.from_config(cfg)
+    assert ProberSettings() == ProberSettings.from_config(cfg)
 
 
 def test_the_api_workers_limits_default_to_the_config_files() -> None:
@@ -117,8 +119,9 @@ def test_the_charts_values_are_the_config_files_defaults() -> None:
 def test_the_charts_values_are_a_valid_config_file(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     http = dict(VALUES["http"], addr=":28080")
+    audit = {"probe": dict(VALUES["audit"]["probe"], apiUrl="http://cache-indexer:28080")}
     path.write_text(
-        yaml.safe_dump({**{s: VALUES[s] for s in CONFIG_SECTIONS}, "http": http}),
+        yaml.safe_dump({**{s: VALUES[s] for s in CONFIG_SECTIONS}, "http": http, "audit": audit}),
         encoding="utf-8",
     )
     load_config(path, env={})

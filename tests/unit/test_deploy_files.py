@@ -42,8 +42,10 @@ def test_compose_runs_every_component_with_real_subcommands() -> None:
         if svc.get("image") == "cache-indexer:dev"
     }
     assert sorted(roles.values()) == sorted(
-        ["api", "discovery", "l1-ingest", "l3-poll", "simulate-vllm", "simulate-vllm"]
+        ["api", "audit-probe", "discovery", "l1-ingest", "l3-poll"]
+        + ["simulate-vllm", "simulate-vllm"]
     )
+    assert SERVICES["audit-probe"]["profiles"] == ["audit"]  # optional: real vLLM only
     assert all(role in SUBCOMMANDS for role in roles.values())
     assert {"redis", "mooncake-master"} <= set(SERVICES)
     assert SERVICES["api"]["ports"] == ["127.0.0.1:8080:28080"]

@@ -240,3 +240,33 @@ def test_the_served_model_is_read_from_the_configured_label_and_static_entries()
         )
     )
     assert desired.instances is not None and desired.instances["10.0.0.3"].model == "gemma-3"
+
+
+def test_the_openai_http_port_is_found_by_name_else_by_number_else_none() -> None:
+    named = pods.vllm_instance(_pod(ports={"zmq-pub": 6000, "http": 8001}), LABELS, VLLM)
+    assert named is not None and named.http_endpoint == "http://10.0.0.1:8001"
+    fallback = pods.vllm_instance(_pod(), LABELS, VLLM)
+    assert fallback is not None and fallback.http_endpoint == "http://10.0.0.1:8000"
+    other_name = DiscoveryVLLM(http_port_name="openai", http_port=0)
+    renamed = pods.vllm_instance(_pod(ports={"openai": 9000, "http": 8001}), LABELS, other_name)
+    assert renamed is not None and renamed.http_endpoint == "http://10.0.0.1:9000"
+    none = pods.vllm_instance(_pod(ports={"http": 8001}), LABELS, other_name)
+    assert none is not None and none.http_endpoint == ""
+    v6 = pods.vllm_instance(_pod(ip="fd00::5", ports={"http": 80}), LABELS, VLLM)
+    assert v6 is not None and v6.http_endpoint == "http://[fd00::5]:80"
+
+
+def test_static_http_endpoints_are_kept_checked_and_outside_the_uid() -> None:
+    entry = StaticVLLM(ip="10.0.0.3", zmq_endpoint="tcp://10.0.0.3:5557")
+    plain = desired_from(Static(vllm=[entry]))
+    assert plain.instances is not None and plain.instances["10.0.0.3"].http_endpoint == ""
+    entry.http_endpoint = "http://10.0.0.3:8000/"
+    desired = desired_from(Static(vllm=[entry]))
+    assert desired.instances is not None
+    inst = desired.instances["10.0.0.3"]
+    assert inst.http_endpoint == "http://10.0.0.3:8000"
+    assert inst.uid == plain.instances["10.0.0.3"].uid  # a new port only updates the entry
+    for bad in ("10.0.0.3:8000", "tcp://10.0.0.3:8000", "http://10.0.0.3", "http://:80"):
+        entry.http_endpoint = bad
+        with pytest.raises(ConfigError, match=r"vllm\[0\]\.httpEndpoint"):
+            desired_from(Static(vllm=[entry]))
