@@ -139,8 +139,9 @@ Op = tuple[str, str, int, list[Any]]
 class TierOps:
     """The writes of one ZMQ batch for one rank, in event order: (op, tier, group, values).
 
-    ``describe`` records a group's descriptor as a ``BlockStored`` carries it and ``settings``
-    the ingester's per-instance settings; the store checks and writes both before any hash.
+    ``describe`` records a group's descriptor as a ``BlockStored`` carries it, ``settings``
+    the ingester's per-instance settings and ``lookahead`` the engine's lookahead L; the store
+    checks and writes them before any hash.
     """
 
     ops: list[Op] = field(default_factory=list)
@@ -161,6 +162,11 @@ class TierOps:
 
     def settings(self, hash_unit: int, chunk: int, dp_size: int) -> None:
         self.ops.append(("H", "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
+
+    def lookahead(self, tokens: int) -> None:
+        """The instance's speculative-decoding lookahead L as its events show it (spec
+        vllm-extra-keys.md §5); a different L than the one stored resets the instance."""
+        self.ops.append(("A", "", 0, [int(tokens)]))
 
     def argv(self) -> list[str | int]:
         out: list[str | int] = []

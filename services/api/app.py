@@ -169,6 +169,7 @@ def create_app(
             settings.max_hit_rate_body_bytes,
             settings.max_candidates,
             settings.hash.vllm_version,
+            settings.hash_lookahead,
         ),
     )
     reader = StatusReader(store.r)

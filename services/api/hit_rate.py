@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 import redis
 
+from common.blockhash_extra import HashInputs
 from common.config import HTTP
 from common.errors import RequestError
 from services.api.api_metrics import ApiMetrics
@@ -54,7 +55,12 @@ class Hasher(Protocol):
     """What the API needs of :class:`common.blockhash.BlockHasher`."""
 
     def member_keys(
-        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[bytes]: ...
 
 
@@ -222,23 +228,26 @@ def score(
     """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
 
-    The prompt is hashed once per distinct hash unit among the candidates (the request's
-    block size for single-group instances); the reads are one pipelined round trip, plus
-    one for the candidates whose KV-cache groups changed since this worker last saw them
-    (:mod:`services.api.scoring`)."""
+    The prompt is hashed once per distinct hash unit and lookahead L among the candidates
+    (the request's block size for single-group instances); the reads are one pipelined round
+    trip, plus one for the candidates whose KV-cache groups changed since this worker last
+    saw them (:mod:`services.api.scoring`)."""
     views = views if views is not None else ViewCache()
-    chains: dict[int, Sequence[bytes]] = {}
+    chains: dict[tuple[int, int], Sequence[bytes]] = {}
 
-    def chain(unit: int) -> Sequence[bytes]:
-        if unit not in chains:  # hashes every full unit, range-checks every id
-            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt)
-            metrics.hashed_blocks.inc(len(chains[unit]))
-        return chains[unit]
+    def chain(unit: int, lookahead: int = 0) -> Sequence[bytes]:
+        if (unit, lookahead) not in chains:  # hashes every full unit, range-checks every id
+            try:
+                keys = _member_keys(hasher, request, unit, lookahead)
+            except ValueError as exc:  # a negative id, or one wider than the vLLM's ids
+                raise RequestError(
+                    400, f"body.token_ids cannot be hashed for vLLM: {exc}"
+                ) from None
+            chains[unit, lookahead] = keys
+            metrics.hashed_blocks.inc(len(keys))
+        return chains[unit, lookahead]
 
-    try:
-        chain(request.block_size)
-    except ValueError as exc:  # a negative id, or one wider than the configured vLLM's ids
-        raise RequestError(400, f"body.token_ids cannot be hashed for vLLM: {exc}") from None
+    chain(request.block_size, views.empty.lookahead)  # every id checked before any read
     distinct = list(dict.fromkeys(request.server_ips))
     n_tokens = len(request.token_ids)
     if n_tokens < request.block_size:  # no full block: nothing to read
@@ -266,6 +275,15 @@ def score(
     return [_answer(ip, *hits[ip], detail) for ip in request.server_ips]
 
 
+def _member_keys(hasher: Hasher, request: HitRateRequest, unit: int, lookahead: int) -> list[bytes]:
+    """The request's chain at ``unit``, each block hashed with the ``lookahead`` tokens after
+    it (spec vllm-extra-keys.md §5; 0 = vLLM's plain chain)."""
+    if not lookahead:
+        return hasher.member_keys(request.token_ids, unit, request.cache_salt)
+    inputs = HashInputs(lookahead=lookahead)
+    return hasher.member_keys(request.token_ids, unit, request.cache_salt, inputs=inputs)
+
+
 def _read_hits(
     ips: list[str],
     scorer: Scorer,
@@ -283,7 +301,9 @@ def _read_hits(
         if raw_of(replies[s.groups], replies[s.l3_groups]) == old[ip].raw:
             out[ip] = scorer.evaluate(old[ip], s, replies)
         else:
-            fresh = parse_view(replies[s.groups], replies[s.l3_groups], vllm_version)
+            fresh = parse_view(
+                replies[s.groups], replies[s.l3_groups], vllm_version, views.empty.lookahead
+            )
             views.put(ip, fresh)
             changed[ip] = fresh
     if changed:
@@ -329,11 +349,13 @@ class HitRateResource:
         body_limit: int,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
         vllm_version: tuple[int, ...] = (0, 28, 0),
+        lookahead: int = 0,
     ) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
         self.body_limit, self.max_candidates = body_limit, max_candidates
         self.vllm_version = vllm_version
-        self.views = ViewCache()
+        self.views = ViewCache(lookahead=lookahead)
+        """Views by instance; ``lookahead`` is the L of those whose events showed none."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_request(read_body(req, self.body_limit), self.max_candidates)

@@ -11,6 +11,12 @@ at the positions :func:`common.hit_rule.probe_indices` names and answers
 every round trip also re-reads the descriptors, and a candidate whose descriptors changed
 is read again with its new view in a second round trip (at most one per request).
 
+**Lookahead.** An instance running EAGLE/MTP speculative decoding on vLLM >= 0.33 hashes each
+block with the L tokens after it (spec vllm-extra-keys.md §5): :attr:`View.lookahead` is its L
+(learned from its events, else ``blockKey.hashLookaheadTokens``) and its reads, L1 and L3 alike,
+use the chain for (unit, L), which has only the blocks L tokens follow; so candidates with
+different L in one request each get their own chain, hashed once per distinct L.
+
 An answer is exact or a lower bound, never above what vLLM reuses; :attr:`View.reasons`
 says why one is only a lower bound (``docs/design.md``, "KV-cache groups").
 """
@@ -19,16 +25,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from common import hit_rule, keys
 from common.group_view import UNCONFIRMED_UNIT, parse_groups
+from common.group_view import lookahead as lookahead_of
 from common.hit_rule import Rule
 from common.store import Reads
 
-Chain = Callable[[int], Sequence[bytes]]
-"""Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
+Chain = Callable[[int, int], Sequence[bytes]]
+"""(hash unit, lookahead L) → the prompt's member keys at that unit, each block hashed with
+the L tokens after it (once per distinct pair and request)."""
 
 
 class StoreReads(Protocol):
@@ -37,11 +45,16 @@ class StoreReads(Protocol):
     def execute(self, reads: Reads) -> list[Any]: ...
 
 
+LOOKAHEAD_SINCE = (0, 33, 0)
+"""The first vLLM release that hashes lookahead tokens."""
 CACHE_SIZE = 65_536
 """Instances whose view an API worker keeps."""
 
 L3_GROUPS_UNKNOWN = "l3_groups_unknown"
 """Mooncake holds groups the events never described: no rule can be run (answers 0)."""
+LOOKAHEAD_BEFORE_0_33 = "lookahead_needs_vllm_0_33"
+"""The events show a lookahead L > 0 but ``blockKey.vllmVersion`` is older than 0.33, the
+first release that hashes one: the chain cannot be known (answers 0)."""
 BLOCK_SIZE_DIFFERS = "request_block_size_differs"
 """A single-group instance whose block size is not the request's: nothing can match."""
 
@@ -62,6 +75,8 @@ class View:
     l3_reasons: tuple[str, ...] = ()
     check_unit: bool = False
     """A hybrid whose hash unit is derived: exact only once the self-check verified it."""
+    lookahead: int = 0
+    """L: the tokens after each block its hashes cover (0 = none)."""
 
 
 EMPTY = View(raw=((), "0"))
@@ -73,9 +88,24 @@ def raw_of(fields: dict[str, str], l3_groups: str | None) -> tuple[Any, str]:
 
 
 def parse_view(
+    fields: dict[str, str],
+    l3_groups: str | None,
+    vllm_version: tuple[int, ...],
+    lookahead: int = 0,
+) -> View:
+    """The view of an instance from its descriptor hash and its l3 ``groups`` field;
+    ``lookahead`` is the L of an instance whose events have not shown one."""
+    view = _parse_view(fields, l3_groups, vllm_version)
+    tokens, _ = lookahead_of(fields, lookahead)
+    if tokens and tuple(vllm_version) < LOOKAHEAD_SINCE:
+        why = (LOOKAHEAD_BEFORE_0_33,)
+        return View(view.raw, l1_groups=(), l3_groups=(), reasons=why, l3_reasons=why)
+    return replace(view, lookahead=tokens) if tokens else view
+
+
+def _parse_view(
     fields: dict[str, str], l3_groups: str | None, vllm_version: tuple[int, ...]
 ) -> View:
-    """The view of an instance from its descriptor hash and its l3 ``groups`` field."""
     raw = raw_of(fields, l3_groups)
     l3_ids = tuple(sorted({int(g) for g in raw[1].split(",") if g.isdigit()})) or (0,)
     groups = parse_groups(fields, vllm_version)
@@ -105,12 +135,14 @@ def parse_view(
 class ViewCache:
     """Views by instance, least recently refreshed dropped first (bounded)."""
 
-    def __init__(self, size: int = CACHE_SIZE) -> None:
+    def __init__(self, size: int = CACHE_SIZE, lookahead: int = 0) -> None:
         self.size = size
         self._views: OrderedDict[str, View] = OrderedDict()
+        self.empty = replace(EMPTY, lookahead=lookahead)
+        """An instance with no descriptors: the configured L (``blockKey.hashLookaheadTokens``)."""
 
     def get(self, ip: str) -> View:
-        return self._views.get(ip, EMPTY)
+        return self._views.get(ip, self.empty)
 
     def put(self, ip: str, view: View) -> None:
         self._views[ip] = view
@@ -148,7 +180,7 @@ class Scorer:
         self.num_tokens, self.block_size, self.chain = num_tokens, block_size, chain
         self.store = store
         self.n = num_tokens // block_size
-        self._blobs: dict[tuple[int, Any], int] = {}
+        self._blobs: dict[tuple[int, int, Any], int] = {}
         self.reads = Reads()
 
     def fresh(self) -> Scorer:
@@ -168,37 +200,52 @@ class Scorer:
             r.hget(keys.l1_state(ip), "hash_check") if view.check_unit else None,
         )
         if view.rule is None:
-            if self.n:
-                blob = self._blob(self.block_size, range(self.n))
-                slots.l1.append((r.smismember(keys.tier_set(ip, "l1"), blob), range(self.n)))
+            blob, idx = self._blob(self.block_size, range(self.n), view.lookahead)
+            if len(idx):
+                slots.l1.append((r.smismember(keys.tier_set(ip, "l1"), blob), idx))
                 if view.l3_groups:
-                    slots.l3.append((r.smismember(keys.l3_set(ip), blob), range(self.n)))
+                    slots.l3.append((r.smismember(keys.l3_set(ip), blob), idx))
             return slots
         rule, unit = view.rule, view.rule.hash_unit
         for pos, gid in enumerate(view.l1_groups):
             idx = hit_rule.probe_indices(rule, pos, self.num_tokens)
+            if len(idx):
+                blob, idx = self._blob(unit, idx, view.lookahead)
             if not len(idx):
                 slots.l1.append((-1, idx))
                 slots.l3.append((-1, idx))
                 continue
-            blob = self._blob(unit, idx)
             slots.l1.append((r.smismember(keys.tier_group_set(ip, "l1", gid), blob), idx))
             if view.l3_groups:
                 slots.l3.append((r.smismember(keys.l3_group_set(ip, gid), blob), idx))
         return slots
 
-    def _blob(self, unit: int, idx: Sequence[int]) -> int:
-        key = (unit, (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tuple(idx))
+    def _blob(self, unit: int, idx: Sequence[int], lookahead: int) -> tuple[int, Sequence[int]]:
+        """The members at ``idx`` of the (unit, L) chain, and the indices it has: with L > 0
+        the last blocks may have no hash (fewer than L tokens follow them)."""
+        if not self.n:
+            return -1, range(0)
+        members = self.chain(unit, lookahead)
+        if isinstance(idx, range):
+            idx = range(idx.start, min(idx.stop, len(members)), idx.step)
+        else:
+            idx = [i for i in idx if i < len(members)]
+        if not len(idx):
+            return -1, idx
+        key = (
+            unit,
+            lookahead,
+            (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tuple(idx),
+        )
         found = self._blobs.get(key)
         if found is None:
-            members = self.chain(unit)
             picked = (
                 members[: len(idx)]
                 if isinstance(idx, range) and idx.start == 0 and idx.step == 1
                 else [members[i] for i in idx]
             )
             found = self._blobs[key] = self.reads.members(picked)
-        return found
+        return found, idx
 
     def evaluate(self, view: View, slots: Slots, replies: list[Any]) -> tuple[Hit, Hit]:
         """The (L1, L3) hits of one candidate from its replies."""

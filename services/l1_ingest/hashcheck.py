@@ -27,6 +27,10 @@ event's ``block_hashes``:
   published; the "tagged" rule (>= 0.31) hashes ``("cache_salt", s)``, ``("mm", id, off)``,
   ``("prompt_embeds", d)`` and needs the LoRA path, which events do not carry: such blocks
   are left unchecked.
+* Lookahead (vLLM >= 0.33 with EAGLE/MTP, spec vllm-extra-keys.md §5): each block is hashed
+  with ``(E_i, *the L tokens after it)``; the event publishes those tokens
+  (``lookahead_token_ids``), so the instance's own L is used (:func:`with_lookahead`).
+  Spans (a group block larger than the hash unit) with lookahead are unchecked.
 * The verdict is ``ok`` once a block verified, ``mismatch`` for :data:`MISMATCH_HOLD` seconds
   after a block did not (``unchecked`` before either).
 * On a mismatch it searches the plausible alternatives (the configured and common seeds,
@@ -140,6 +144,17 @@ def hash_side_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKe
         None if keys is None else _tagged(keys, i == 0 and at_root)
         for i, keys in enumerate(event.extra_keys)
     ]
+
+
+def with_lookahead(event: BlockStored, extras: list[ExtraKeys]) -> list[ExtraKeys]:
+    """Each block's hashed keys with its lookahead tokens as the event publishes them:
+    ``(E_i, *tokens)``, a tuple even when ``E_i`` is None; unchanged without lookahead."""
+    lookahead = event.lookahead_token_ids
+    if lookahead is None:
+        return extras
+    if len(lookahead) != len(event.block_hashes):
+        raise Uncheckable("lookahead_misaligned")
+    return [(keys, *tokens) for keys, tokens in zip(extras, lookahead, strict=True)]
 
 
 def _tuple(value: Any) -> Any:
@@ -260,6 +275,9 @@ class HashChecker:
         if any(k is not None for k in (event.extra_keys or [])) or event.lora_name:
             self._skip("sparse_extra_keys")
             return
+        if event.lookahead_token_ids is not None:
+            self._skip("span_lookahead")
+            return
         try:
             digests = chain_digests(
                 self.expected.algo,
@@ -305,7 +323,7 @@ class HashChecker:
     def _check(self, event: BlockStored, parent: bytes, k: int) -> None:
         at_root = event.parent_block_hash is None
         try:
-            extras = hash_side_keys(event, self.expected.rule, at_root)[:k]
+            extras = with_lookahead(event, hash_side_keys(event, self.expected.rule, at_root))[:k]
             digests = chain_digests(
                 self.expected.algo, parent, event.token_ids, event.block_size, extras
             )
@@ -437,7 +455,7 @@ class HashChecker:
             parent = _none_hash(cand.algo, cand.seed)
         size = event.block_size
         try:
-            extras = hash_side_keys(event, cand.rule, at_root)
+            extras = with_lookahead(event, hash_side_keys(event, cand.rule, at_root))
             tokens = event.token_ids[index * size : (index + 1) * size]
             (digest,) = chain_digests(cand.algo, parent, tokens, size, [extras[index]])
         except (Uncheckable, ValueError):
