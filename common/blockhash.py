@@ -27,9 +27,9 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 - extra keys (§4.4; spec vllm-extra-keys.md): :mod:`common.blockhash_extra` builds each
   block's LoRA, multimodal, salt and lookahead keys per release from a
   :class:`~common.blockhash_extra.HashInputs`. The C chain stays the path for every request:
-  blocks with keys of their own (those touching an item) start a new C call chained from the
-  previous one; with more than ``_C_RUNS_MAX`` such blocks (long lookahead prompts, many
-  items) the Python chain splices each block's keys in instead. LoRA on 0.10.2-0.11.0
+  when blocks have keys of their own (items, lookahead) it takes each block's encoded keys
+  (:func:`_block_tails`; a library too old for that leaves them to the Python chain, which
+  splices each block's keys in). LoRA on 0.10.2-0.11.0
   (keyed by the server-assigned ``lora_int_id``) raises ValueError naming the release.
 - PYTHONHASHSEED unset: vLLM < 0.29 draws a random NONE_HASH per process (ConfigError
   here); >= 0.29 uses the seed "vllm-none-hash". "" is a real seed: the empty string.
@@ -38,6 +38,7 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 from __future__ import annotations
 
 import functools
+from array import array
 import hashlib
 import pickle
 import re
@@ -63,7 +64,6 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM >= 0.29 when PYTHONHASHSEED is
 _FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
 _BIG_U64 = np.dtype(">u8")
-_C_RUNS_MAX = 16  # more blocks with their own keys: the Python chain (measured)
 _CHUNK_TOKENS = 8192  # ids encoded at a time (measured: 4k-16k are best)
 _VERSION_RE = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
@@ -269,9 +269,9 @@ class BlockHasher:
         cache_salt: str | None,
         inputs: HashInputs,
     ) -> bytes:
-        """Every hashed block's digest, back to back: from the C chain when it is there (no
-        per-block objects at all; several calls, one per run of blocks with the same keys,
-        when a few blocks' keys differ), else joined from :meth:`_chain`."""
+        """Every hashed block's digest, back to back: from one C call when it is there (no
+        per-block objects for a plain or LoRA-only prompt; each block's encoded keys when
+        they differ), else joined from :meth:`_chain`."""
         _check_block_size(block_size)
         encoder = native.ENCODER
         if encoder is None or encoder.sha is None or self.settings.algo != "sha256_cbor":
@@ -279,9 +279,13 @@ class BlockHasher:
         # every id is validated, those of the partial block too
         words = cbor.id_words(token_ids, self._token_limit)
         keys = self._plan(cast(Sequence[int], words), block_size, cache_salt, inputs)
-        if len(keys.special) > _C_RUNS_MAX:  # one C call per block would cost more
+        if keys.uniform:
+            first, rest = cbor.encode(keys.first), cbor.encode(keys.rest)
+            return encoder.chain(words, block_size, first, rest, self._none_hash)
+        if not encoder.block_tails:  # a library built from an older _cbor_blocks.c
             return b"".join(self._chain(token_ids, block_size, cache_salt, inputs, False)[0])
-        return _c_chain(encoder, words, block_size, keys, self._none_hash)
+        ids = _u64(words)[: keys.blocks * block_size]  # lookahead: the last may be left out
+        return encoder.chain(ids, block_size, b"", b"", self._none_hash, _block_tails(keys))
 
     def _plan(
         self,
@@ -324,9 +328,9 @@ class BlockHasher:
         encoder = native.ENCODER
         full = keys.blocks * block_size
         first_tail, tail = cbor.encode(keys.first), cbor.encode(keys.rest)
-        if encoder is not None and not keys.special:
+        tails = None if keys.uniform else _block_tails(keys)
+        if encoder is not None and tails is None:
             return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail, keep)
-        special = {i: cbor.encode(k) for i, k in keys.special.items()}
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
         array_head = _array_head(block_size)
         parent, index = self._none_hash, 0
@@ -339,7 +343,10 @@ class BlockHasher:
             encoded, ends = encode(ids, block_size)
             start = 0
             for end in ends:
-                block_tail = special.get(index, first_tail if index == 0 else tail)
+                if tails is not None:
+                    block_tail = tails[index]
+                else:
+                    block_tail = first_tail if index == 0 else tail
                 preimage = join((head, parent, array_head, encoded[start:end], block_tail))
                 parent, start, index = sha256(preimage).digest(), end, index + 1
                 append(parent)
@@ -406,38 +413,47 @@ def _inputs(lora_name: str | None, lora_path: str | None, inputs: HashInputs | N
     return extras.PLAIN if inputs.plain else inputs
 
 
-def _c_chain(
-    encoder: native.Encoder,
-    words: native.IdWords,
-    block_size: int,
-    keys: extras.ExtraPlan,
-    none_hash_: bytes,
-) -> bytes:
-    """The chain in C: one call per run of blocks sharing ``keys.rest`` (a run starts at
-    block 0 or at a block with its own keys), each chained from the previous run's last
-    digest."""
-    if not keys.special:
-        if keys.blocks != len(words) // block_size:  # the lookahead left the last ones out
-            words = _u64(words)[: keys.blocks * block_size]
-        return encoder.chain(
-            words, block_size, cbor.encode(keys.first), cbor.encode(keys.rest), none_hash_
-        )
-    ids, tail = _u64(words), cbor.encode(keys.rest)
-    cuts = sorted({0, *keys.special})
-    parent, out = none_hash_, []
-    for a, b in zip(cuts, [*cuts[1:], keys.blocks], strict=True):
-        if a >= b:
-            continue
-        blob = encoder.chain(
-            ids[a * block_size : b * block_size],
-            block_size,
-            cbor.encode(keys.keys(a)),
-            tail,
-            parent,
-        )
-        out.append(blob)
-        parent = blob[-32:]
-    return b"".join(out)
+def _block_tails(keys: extras.ExtraPlan) -> list[bytes]:
+    """The CBOR of every block's extra keys (:meth:`ExtraPlan.keys`), each block's tail."""
+    memo: dict[object, bytes] = {}
+    tails = [_encode_window(keys.rest, memo)] * keys.blocks
+    if keys.blocks:
+        tails[0] = _encode_window(keys.first, memo)
+    for index, window in keys.special.items():
+        tails[index] = _encode_window(window, memo)
+    if keys.lookahead:  # (E, *next L ids): an array head, E, then the ids
+        head, size, span = cbor.head(4, 1 + keys.lookahead), keys.block_size, keys.lookahead
+        starts = np.arange(1, keys.blocks + 1, dtype=np.int64) * size
+        where = (starts[:, None] + np.arange(span, dtype=np.int64)).ravel()
+        ids = keys.ids
+        words = _u64(ids) if isinstance(ids, array) else np.asarray(ids, dtype=np.uint64)
+        encoded = cbor.encode_uints(words[where].tolist())
+        if span > 1:
+            encoded = [b"".join(encoded[i : i + span]) for i in range(0, len(encoded), span)]
+        tails = [head + tail + look for tail, look in zip(tails, encoded, strict=True)]
+    return tails
+
+
+def _encode_window(window: ExtraKeys, memo: dict[object, bytes]) -> bytes:
+    """:func:`cbor.encode` of a window built by :func:`extras.plan` (str and int leaves
+    only, so equal keys are equal values), each key's encoding computed once per chain:
+    a multimodal key differs between blocks only in its last item, the relative offset."""
+    if window is None:
+        return cbor.NULL
+    parts = [cbor.head(4, len(window))]
+    for key in window:
+        if type(key) is tuple and type(key[-1]) is int:
+            stem = key[:-1]
+            prefix = memo.get(stem)
+            if prefix is None:
+                prefix = memo[stem] = cbor.head(4, len(key)) + b"".join(map(cbor.encode, stem))
+            parts.append(prefix + cbor.encode(key[-1]))
+        else:
+            encoded = memo.get(key)
+            if encoded is None:
+                encoded = memo[key] = cbor.encode(key)
+            parts.append(encoded)
+    return b"".join(parts)
 
 
 def _u64(words: native.IdWords) -> cbor.U64:

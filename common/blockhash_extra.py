@@ -120,18 +120,39 @@ PLAIN = HashInputs()
 
 @dataclass(frozen=True)
 class ExtraPlan:
-    """Every hashed block's extra keys: ``special[i]`` where block ``i``'s differ from the
-    shared ones, ``first`` for block 0 otherwise, ``rest`` for every other block."""
+    """Every hashed block's extra keys ``E``: ``special[i]`` where block ``i``'s differ from
+    the shared ones, ``first`` for block 0 otherwise, ``rest`` for every other block. With
+    ``lookahead`` L > 0 what block ``i`` hashes is ``(E, *ids[e:e+L])`` (:meth:`keys`)."""
 
     blocks: int
     first: ExtraKeys
     rest: ExtraKeys
     special: dict[int, ExtraKeys]
+    lookahead: int = 0
+    ids: Sequence[int] = ()
+    block_size: int = 0
 
-    def keys(self, index: int) -> ExtraKeys:
+    def window(self, index: int) -> ExtraKeys:
+        """Block ``index``'s keys E (without lookahead tokens)."""
         if index in self.special:
             return self.special[index]
         return self.first if index == 0 else self.rest
+
+    def lookahead_ids(self, index: int) -> list[int]:
+        """The L token ids after block ``index``, as plain ints."""
+        end = (index + 1) * self.block_size
+        return [operator.index(t) for t in self.ids[end : end + self.lookahead]]
+
+    def keys(self, index: int) -> ExtraKeys:
+        """What block ``index`` hashes as its extra keys."""
+        if self.lookahead:
+            return (self.window(index), *self.lookahead_ids(index))
+        return self.window(index)
+
+    @property
+    def uniform(self) -> bool:
+        """Block 0 has ``first``, every other block ``rest``: one C call does it all."""
+        return not self.special and not self.lookahead
 
 
 def tags_extra_keys(vllm_version: Version) -> bool:
@@ -161,16 +182,19 @@ def plan(
         salt = [("cache_salt", cache_salt) if tagged else cache_salt]
     blocks = max(n_tokens - lookahead, 0) // block_size
     windows = _mm_keys(vllm_version, inputs.mm_items, blocks, block_size, lookahead)
-    if not lookahead:
-        first = tuple(lora + windows.get(0, []) + salt) or None
-        special: dict[int, ExtraKeys] = {i: tuple(lora + k) for i, k in windows.items() if i}
-        return ExtraPlan(blocks, first, tuple(lora) or None, special)
-    ids, special = token_ids, {}
-    for i in range(blocks):
-        e = (i + 1) * block_size
-        window = tuple(lora + windows.get(i, []) + (salt if i == 0 else [])) or None
-        special[i] = (window, *(operator.index(t) for t in ids[e : e + lookahead]))
-    return ExtraPlan(blocks, None, None, special)
+    first = tuple(lora + windows.get(0, []) + salt) or None
+    special: dict[int, ExtraKeys] = {i: tuple(lora + k) for i, k in windows.items() if i}
+    rest = tuple(lora) or None
+    return ExtraPlan(blocks, first, rest, special, lookahead, token_ids, block_size)
+
+
+def check(vllm_version: Version, inputs: HashInputs, n_tokens: int) -> None:
+    """ValueError if ``inputs`` cannot be hashed for this vLLM over a prompt of ``n_tokens``
+    tokens (what :func:`plan` would refuse), without hashing anything."""
+    inputs.check_prompt(n_tokens)
+    _lora_keys(vllm_version, inputs.lora_name, inputs.lora_path, tags_extra_keys(vllm_version))
+    if inputs.lookahead and vllm_version < _LOOKAHEAD_SINCE:
+        raise ValueError("vLLM < 0.33 does not hash lookahead tokens (lookahead must be 0)")
 
 
 def _lora_keys(version: Version, name: str | None, path: str | None, tagged: bool) -> list[object]:
@@ -187,7 +211,10 @@ def _lora_keys(version: Version, name: str | None, path: str | None, tagged: boo
     if not tagged:
         return [name]
     if not path:
-        raise ValueError("vLLM >= 0.31 hashes the LoRA adapter path: lora_path is required")
+        shown = ".".join(map(str, version))
+        raise ValueError(
+            f"vLLM {shown} hashes the LoRA adapter's path too (since 0.31): lora_path is required"
+        )
     return [("lora", name, path)]
 
 

@@ -110,12 +110,20 @@ def _check_extra_keys(entries: list[list[Any] | None]) -> None:
                 raise ValueError(f"extra_keys holds {type(item).__name__}: expected arrays")
 
 
+MAX_LOOKAHEAD = 64
+"""The longest lookahead accepted (vLLM's L is 1, or ``num_speculative_tokens`` for
+multi-module MTP: a handful); a longer one is a malformed event."""
+
+
 def _check_lookahead(lists: list[list[int]]) -> None:
     """One L for the whole event: vLLM hashes every block of an engine with the same number
     of lookahead tokens, so lists of different lengths cannot be told apart from a bad
     writer (and would leave the instance's L undefined)."""
-    if len({len(tokens) for tokens in lists}) > 1:
+    lengths = {len(tokens) for tokens in lists}
+    if len(lengths) > 1:
         raise ValueError("lookahead_token_ids lists of different lengths")
+    if lengths and max(lengths) > MAX_LOOKAHEAD:
+        raise ValueError(f"lookahead_token_ids of {max(lengths)} tokens, over {MAX_LOOKAHEAD}")
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
 hold: ``[0, 2**64)``, or ``[0, 2**31)`` for vLLM >= 0.34 (:mod:`common.blockhash` decides,
 for the partial tail block too); anything else is a 400, as vLLM would refuse the prompt.
+The optional ``lora_name``, ``lora_path`` and ``mm_features`` (:mod:`services.api.request_inputs`)
+key every chain the request hashes; without them the hasher is called exactly as before.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import falcon
@@ -32,9 +34,10 @@ import numpy as np
 import orjson
 import redis
 
-from common.blockhash_extra import HashInputs
+from common.blockhash_extra import PLAIN, HashInputs
 from common.config import HTTP
 from common.errors import RequestError
+from services.api import request_inputs
 from services.api.api_metrics import ApiMetrics
 from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
@@ -43,7 +46,7 @@ logger = logging.getLogger(__name__)
 PATH = "/kv-cache/hit-rate"
 _READ_CHUNK = 64 * 1024
 _TOP_FIELDS = ("server_ip", "body")
-_BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
+_BODY_FIELDS = ("token_ids", "cache_salt", "block_size", *request_inputs.FIELDS)
 _BODY_REQUIRED = ("token_ids", "block_size")
 DEFAULT_MAX_CANDIDATES = HTTP().max_candidates
 LOOKUPS_PER_CANDIDATE = 4096
@@ -70,6 +73,7 @@ class HitRateRequest:
     token_ids: Sequence[int]  # usually an array("Q") (:func:`_token_ids`)
     block_size: int
     cache_salt: str | None  # "" in the request means no salt: stored as None
+    inputs: HashInputs = PLAIN  # LoRA and multimodal items (:mod:`services.api.request_inputs`)
 
 
 def read_body(req: falcon.Request, limit: int) -> bytes:
@@ -92,9 +96,14 @@ def read_body(req: falcon.Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> HitRateRequest:
+def parse_request(
+    raw: bytes,
+    max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    vllm_version: tuple[int, ...] = (0, 28, 0),
+) -> HitRateRequest:
     """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid,
-    including more than ``max_candidates`` distinct ``server_ip`` values."""
+    including more than ``max_candidates`` distinct ``server_ip`` values, and LoRA or
+    multimodal fields the configured ``vllm_version`` cannot hash."""
     if not raw.strip():
         raise _bad("the request body is empty")
     try:
@@ -124,7 +133,9 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    request = HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    token_ids = _token_ids(body["token_ids"], raw)
+    inputs = request_inputs.parse_inputs(body, len(token_ids), vllm_version)
+    request = HitRateRequest(ips, token_ids, block_size, salt or None, inputs)
     _check_lookups(request, max_candidates)
     return request
 
@@ -277,10 +288,13 @@ def score(
 
 def _member_keys(hasher: Hasher, request: HitRateRequest, unit: int, lookahead: int) -> list[bytes]:
     """The request's chain at ``unit``, each block hashed with the ``lookahead`` tokens after
-    it (spec vllm-extra-keys.md §5; 0 = vLLM's plain chain)."""
-    if not lookahead:
+    it (spec vllm-extra-keys.md §5; 0 = vLLM's plain chain). LoRA, items and lookahead only
+    when there are some: a plain request calls the hasher exactly as before."""
+    inputs = request.inputs
+    if lookahead:
+        inputs = replace(inputs, lookahead=lookahead)
+    if inputs is PLAIN:
         return hasher.member_keys(request.token_ids, unit, request.cache_salt)
-    inputs = HashInputs(lookahead=lookahead)
     return hasher.member_keys(request.token_ids, unit, request.cache_salt, inputs=inputs)
 
 
@@ -358,7 +372,9 @@ class HitRateResource:
         """Views by instance; ``lookahead`` is the L of those whose events showed none."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = parse_request(read_body(req, self.body_limit), self.max_candidates)
+        request = parse_request(
+            read_body(req, self.body_limit), self.max_candidates, self.vllm_version
+        )
         detail = req.get_param_as_bool("detail", default=False)
         scores = score(
             request,

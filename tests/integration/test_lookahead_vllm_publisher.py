@@ -128,7 +128,7 @@ def publishers(
         proc.stdin.write(json.dumps(spec) + "\n")
         proc.stdin.flush()
         line = proc.stdout.readline()
-        assert line.startswith("{"), f"the driver failed: {proc.stderr.read() if proc.stderr else ''}"
+        assert line.startswith("{"), f"driver: {proc.stderr.read() if proc.stderr else ''}"
         assert json.loads(line)["published"] == 2 * len(cases)  # full and half
         return expected
 
@@ -161,8 +161,9 @@ def test_every_lookahead_vector_through_the_api(
                 want[ip_of(case, part)].update(case["block_hashes_event_int"][: held(case, part)])
     for ip, (lookahead, _) in instances.items():  # learned from the events alone
         wait_for(
-            lambda ip=ip, la=str(lookahead): store.tier_members(ip) == want[ip]
-            and store.groups(ip).get("la") == la,
+            lambda ip=ip, la=str(lookahead): (
+                store.tier_members(ip) == want[ip] and store.groups(ip).get("la") == la
+            ),
             timeout=60,
             what=f"{ip}'s blocks and L from vLLM {release}'s publisher",
         )

@@ -163,6 +163,7 @@ MALFORMED = [
     ),
     (["BlockStored", [1, 2], None, [1, 2], 1, *[None] * 10, [[3, 4], [5]]], "malformed"),
     (["BlockStored", [1], None, [1], 1, *[None] * 10, [3]], "malformed"),
+    (["BlockStored", [1], None, [1], 1, *[None] * 10, [list(range(65))]], "malformed"),
     (["BlockStored", [1], None, [1], 1, *[None] * 10, [[-1.5]]], "malformed"),
     ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1]}, "malformed"),
     (
