@@ -176,3 +176,29 @@ def test_the_instances_report_shows_each_lookahead_and_its_source(store: Store) 
         for i in result.json["instances"]
     }
     assert got == {"10.0.5.1": (2, "events"), "10.0.5.2": (0, "events"), "10.0.5.3": (1, "config")}
+
+
+def test_a_hybrid_with_lookahead_reads_only_the_blocks_its_chain_has(store: Store) -> None:
+    """gpt-oss-like (sliding window 32 in group 0, full attention in group 1) with L=2: the
+    chain has 7 blocks of 129 tokens; both groups are read at positions < 7 only, and the
+    window's last two blocks decide the hit (112 tokens), as vLLM's rule does."""
+    c2 = chain(2)
+    gen = store.upsert_instance(Instance(ip="10.0.6.1", uid="u6"))[1]
+    ops = TierOps()
+    ops.describe(0, "sliding_window", BS, 32)
+    ops.store("l1", [c2[5], c2[6]], group=0)
+    ops.describe(1, "full_attention", BS, None)
+    ops.store("l1", c2, group=1)
+    ops.settings(BS, 0, 1)
+    ops.lookahead(2)
+    assert store.apply_batch("10.0.6.1", gen, 0, 0, ops).status == "applied"
+    index(store, "10.0.6.2", chain(0), 0)
+    hasher = CountingHasher(V034)
+    (hybrid, dense) = ask(client(store, hasher, ApiSettings(hash=V034)), ["10.0.6.1", "10.0.6.2"])
+    assert (hybrid["l1_hit_tokens"], hybrid["l1_hit_ratio"], hybrid["l1_exact"]) == (
+        112,
+        7 / 8,
+        True,
+    )
+    assert (dense["l1_hit_tokens"], dense["l1_hit_ratio"]) == (128, 1.0)
+    assert hasher.calls == {(BS, 0): 1, (BS, 2): 1}
