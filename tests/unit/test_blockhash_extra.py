@@ -324,3 +324,15 @@ def test_plain_inputs_hash_as_before() -> None:
     assert hasher.digests(tokens, 16, "s", inputs=HashInputs()) == hasher.digests(tokens, 16, "s")
     lora = hasher.digests(tokens, 16, "s", "ad", "/p")
     assert hasher.digests(tokens, 16, "s", inputs=HashInputs("ad", "/p")) == lora
+
+
+def test_replace_keeps_items_sorted_and_checked() -> None:
+    """What a caller deriving one instance's inputs does (e.g. its lookahead)."""
+    import dataclasses
+
+    inputs = HashInputs(mm_items=(MmItem("b", 40, 2), MmItem("a", 3, 4)))
+    derived = dataclasses.replace(inputs, lookahead=2)
+    assert [i.identifier for i in derived.mm_items] == ["a", "b"] and derived.lookahead == 2
+    assert derived == HashInputs(mm_items=inputs.mm_items, lookahead=2)
+    with pytest.raises(ValueError, match=r"mm_features\[1\] covers tokens \[40, 42\)"):
+        derived.check_prompt(41)
