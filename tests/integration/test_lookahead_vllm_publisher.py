@@ -10,8 +10,9 @@ with that release's own ``kv_events.py``: ``scripts/setup_vllm_kv_events.sh``) r
 instances: ``full`` holds every hashed block of every such case, ``half`` the first half of
 each case's blocks (at least one). A real in-process L1 ingester subscribes to them (live and
 replay) and learns each instance's L from the events alone (no configuration); then every
-case is asked of every instance in one question through the Falcon app: an instance of the
-case's L answers the part of the golden chain it holds, every other instance 0.
+case is asked of every instance in one question over HTTP, of a ``cache-indexer api``
+(gunicorn) configured with the case's seed and algo: an instance of the case's L and block
+size answers the part of the golden chain it holds, every other instance 0.
 """
 
 from __future__ import annotations
@@ -19,21 +20,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import falcon.testing
-import orjson
+import httpx
 import pytest
 import redis
+import yaml
 
-from common.blockhash import BlockHasher, HashSettings
-from common.settings import ApiSettings
 from common.store import Instance
-from services.api.api_metrics import ApiMetrics
-from services.api.app import create_app
-from tests.conftest import DATA, ROOT, require, reserve_ports, wait_for
+from tests.conftest import DATA, ROOT, RedisServer, require, reserve_port, reserve_ports, wait_for
 from tests.integration import vllm_engine as ve
 from tests.integration.l1_support import InProcessIngester
 from tests.store_oracle import OracleStore
@@ -81,9 +79,7 @@ def ip_of(case: dict[str, Any], part: str) -> str:
 
 
 @pytest.fixture()
-def publishers(
-    request: pytest.FixtureRequest, redis_client: redis.Redis
-) -> Iterator[Callable[[str], dict[str, tuple[int, int]]]]:
+def publishers(redis_client: redis.Redis) -> Iterator[Callable[[str], dict[str, tuple[int, int]]]]:
     """Start the release's driver for every (L, part) instance and register them; returns
     ip -> (L, block size). The driver is stopped (stdin closed, then its PID) afterwards."""
     missing = ve.engine_missing()
@@ -143,12 +139,62 @@ def publishers(
             proc.wait(5)
 
 
+def start_apis(
+    release: str,
+    cases: list[dict[str, Any]],
+    redis_url: str,
+    tmp_path: Path,
+    env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> dict[tuple[str, str | None], str]:
+    """One ``cache-indexer api`` per (algo, seed) of the cases; their base URLs."""
+    urls: dict[tuple[str, str | None], str] = {}
+    for n, (algo, seed) in enumerate(sorted({(c["algo"], c["seed"]) for c in cases}, key=str)):
+        port = reserve_port()
+        config = tmp_path / f"api-{n}.yaml"
+        doc = {
+            "redis": {"url": redis_url},
+            "http": {"addr": f"127.0.0.1:{port}", "workers": 1},
+            "blockKey": {
+                "vllmVersion": release,
+                "pythonHashSeed": seed,
+                "prefixCachingHashAlgo": algo,
+            },
+        }
+        config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+        log = open(tmp_path / f"api-{n}.log", "ab")  # noqa: SIM115 - handed to the child
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "api", "--config", str(config)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+        )
+        urls[algo, seed] = f"http://127.0.0.1:{port}"
+    for url in urls.values():
+        wait_for(lambda url=url: _ready(url), timeout=60, what=f"the API at {url}")
+    return urls
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_every_lookahead_vector_through_the_api(
     release: str,
+    redis_server: RedisServer,
     redis_client: redis.Redis,
     ingester: Callable[..., InProcessIngester],
     publishers: Callable[[str], dict[str, tuple[int, int]]],
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
 ) -> None:
     instances = publishers(release)
     ingester()
@@ -168,14 +214,9 @@ def test_every_lookahead_vector_through_the_api(
             what=f"{ip}'s blocks and L from vLLM {release}'s publisher",
         )
     ips = list(instances)
-    apis: dict[tuple[str, str | None], falcon.testing.TestClient] = {}
+    urls = start_apis(release, cases, redis_server.url, tmp_path, subprocess_env, procs)
     for case in cases:
-        key = (case["algo"], case["seed"])
-        if key not in apis:
-            settings = HashSettings.from_strings(case["algo"], case["seed"], release)
-            app = create_app(ApiSettings(hash=settings), store, BlockHasher(settings), ApiMetrics())
-            apis[key] = falcon.testing.TestClient(app)
-        scores = ask(apis[key], ips, case)
+        scores = ask(urls[case["algo"], case["seed"]], ips, case)
         n_blocks = len(case["token_ids"]) // case["block_size"]
         for score in scores:
             ip = score["server_ip"]
@@ -188,16 +229,14 @@ def test_every_lookahead_vector_through_the_api(
                 tokens * case["block_size"],
             ), (case["name"], score)
             assert score["l1_exact"] == (instances[ip][1] == case["block_size"]), score
-    report = apis[("sha256_cbor", "0")].simulate_get("/kv-cache/instances").json
+    report = httpx.get(f"{urls['sha256_cbor', '0']}/kv-cache/instances", timeout=10).json()
     shown = {i["server_ip"]: i["groups"] for i in report["instances"]}
     for ip, (lookahead, _) in instances.items():
         assert shown[ip]["lookahead_tokens"] == lookahead
         assert shown[ip]["lookahead_source"] == "events"
 
 
-def ask(
-    api: falcon.testing.TestClient, ips: list[str], case: dict[str, Any]
-) -> list[dict[str, Any]]:
+def ask(url: str, ips: list[str], case: dict[str, Any]) -> list[dict[str, Any]]:
     """One question: the case's prompt and hash inputs, every instance a candidate."""
     body: dict[str, Any] = {"token_ids": case["token_ids"], "block_size": case["block_size"]}
     if case["cache_salt"] is not None:
@@ -210,7 +249,7 @@ def ask(
             for m in case["mm_features"]
         ]
     doc = {"server_ip": ips, "body": body}
-    result = api.simulate_post("/kv-cache/hit-rate", body=orjson.dumps(doc), params={"detail": "1"})
+    result = httpx.post(f"{url}/kv-cache/hit-rate?detail=1", json=doc, timeout=30)
     assert result.status_code == 200, (case["name"], result.text)
-    scores: list[dict[str, Any]] = result.json["server_score_list"]
+    scores: list[dict[str, Any]] = result.json()["server_score_list"]
     return scores
