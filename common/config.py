@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
+from common.event_types import MAX_LOOKAHEAD
 
 # Every allowed choice of the config file, written once: the loader checks a value against its
 # field's Literal (``_convert``), the settings and the chart's values.schema.json read the same
@@ -93,11 +94,6 @@ class HTTP:
 class Log:
     level: LogLevel = "info"
     format: LogFormat = "text"
-
-
-MAX_LOOKAHEAD = 64
-"""The largest lookahead L accepted (vLLM's is 1, or ``num_speculative_tokens`` for
-multi-module MTP: a handful)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from common import hit_rule
+from common.event_types import MAX_LOOKAHEAD
 from common.hit_rule import GroupSpec, Rule
 
 SINGLE_KINDS = frozenset({"-", *hit_rule.FULL_ATTENTION_KINDS})
@@ -118,9 +119,10 @@ LOOKAHEAD_FIELD = "la"
 
 def lookahead(fields: dict[str, str], default: int) -> tuple[int, bool]:
     """(L, learned): the lookahead the instance's hashes cover (spec vllm-extra-keys.md §5),
-    as its events showed it, else ``default`` (``blockKey.hashLookaheadTokens``)."""
+    as its events showed it, else ``default`` (``blockKey.hashLookaheadTokens``). The decoder
+    admits at most :data:`MAX_LOOKAHEAD` tokens; any other stored value is not one it wrote."""
     value = fields.get(LOOKAHEAD_FIELD)
-    if value is not None and value.isdigit():
+    if value is not None and value.isdigit() and int(value) <= MAX_LOOKAHEAD:
         return int(value), True
     return default, False
 

@@ -15,6 +15,7 @@ import falcon.testing
 import orjson
 import pytest
 
+from common import keys
 from common.blockhash import BlockHasher, HashSettings
 from common.blockhash_extra import HashInputs
 from common.config import Config, load_config
@@ -176,6 +177,13 @@ def test_the_instances_report_shows_each_lookahead_and_its_source(store: Store) 
         for i in result.json["instances"]
     }
     assert got == {"10.0.5.1": (2, "events"), "10.0.5.2": (0, "events"), "10.0.5.3": (1, "config")}
+    store.r.hset(keys.l1_groups("10.0.5.2"), "la", "65")  # not a value the ingester writes
+    result = api.simulate_get("/kv-cache/instances")
+    shown = {i["server_ip"]: i["groups"] for i in result.json["instances"]}
+    assert (shown["10.0.5.2"]["lookahead_tokens"], shown["10.0.5.2"]["lookahead_source"]) == (
+        1,
+        "config",
+    )
 
 
 def test_a_hybrid_with_lookahead_reads_only_the_blocks_its_chain_has(store: Store) -> None:
