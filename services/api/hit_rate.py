@@ -273,27 +273,23 @@ def _read_hits(
     vllm_version: tuple[int, ...],
     metrics: ApiMetrics,
 ) -> dict[str, tuple[Hit, Hit]]:
-    """Round trip 1 with every candidate's cached view; a second for the changed ones."""
+    """Round 1 with every candidate's cached view and its descriptors; a candidate whose
+    descriptors changed starts over with its new view in the next round trip, together
+    with the reads the others still need (:mod:`services.api.read_plan`)."""
     old = {ip: views.get(ip) for ip in ips}
-    slots = {ip: scorer.queue(ip, old[ip]) for ip in ips}
-    replies = scorer.store_execute()
-    out, changed = {}, {}
+    first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
+    scorer.execute()
+    changed = 0
     for ip in ips:
-        s = slots[ip]
-        if raw_of(replies[s.groups], replies[s.l3_groups]) == old[ip].raw:
-            out[ip] = scorer.evaluate(old[ip], s, replies)
-        else:
-            fresh = parse_view(replies[s.groups], replies[s.l3_groups], vllm_version)
+        fields, l3_groups = first[ip].descriptors
+        if raw_of(fields, l3_groups) != old[ip].raw:
+            fresh = parse_view(fields, l3_groups, vllm_version)
             views.put(ip, fresh)
-            changed[ip] = fresh
+            scorer.queue(ip, fresh, descriptors=False)
+            changed += 1
     if changed:
-        metrics.group_rereads.inc(len(changed))
-        again = scorer.fresh()
-        slots2 = {ip: again.queue(ip, view, descriptors=False) for ip, view in changed.items()}
-        replies2 = again.store_execute()
-        for ip, view in changed.items():
-            out[ip] = again.evaluate(view, slots2[ip], replies2)
-    return out
+        metrics.group_rereads.inc(changed)
+    return scorer.finish()
 
 
 def _answer(ip: str, l1: Hit, l3: Hit, detail: bool) -> dict[str, Any]:

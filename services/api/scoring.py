@@ -18,7 +18,7 @@ says why one is only a lower bound (``docs/design.md``, "KV-cache groups").
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from common import hit_rule, keys
 from common.group_view import UNCONFIRMED_UNIT, parse_groups
 from common.hit_rule import Rule
 from common.store import Reads
+from services.api.read_plan import Round, TierRead
 
 Chain = Callable[[int], Sequence[bytes]]
 """Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
@@ -129,18 +130,27 @@ class Hit:
 
 
 @dataclass
-class Slots:
-    """Where one candidate's replies are in the round trip."""
+class Candidate:
+    """One candidate of a request: its view, descriptors as read, and both tiers' reads."""
 
-    groups: int
-    l3_groups: int
-    hash_check: int | None
-    l1: list[tuple[int, Sequence[int]]] = field(default_factory=list)
-    l3: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    view: View
+    l1: TierRead | None
+    l3: TierRead | None
+    fields: dict[str, str] = field(default_factory=dict)
+    l3_field: str | None = None
+    hash_check: str | None = None
+    waiting: bool = True
+    """Reads queued for the next round trip (no further reads planned until they land)."""
+    answers: list[int | None] = field(default_factory=lambda: [None, None])
+
+    @property
+    def descriptors(self) -> tuple[dict[str, str], str | None]:
+        return self.fields, self.l3_field
 
 
 class Scorer:
-    """The hits of every candidate of one request (see the module docstring)."""
+    """The hits of every candidate of one request, read round by round as
+    :mod:`services.api.read_plan` plans (see the module docstring)."""
 
     def __init__(
         self, num_tokens: int, block_size: int, chain: Chain, store: StoreReads | None = None
@@ -148,102 +158,123 @@ class Scorer:
         self.num_tokens, self.block_size, self.chain = num_tokens, block_size, chain
         self.store = store
         self.n = num_tokens // block_size
-        self._blobs: dict[tuple[int, Any], int] = {}
-        self.reads = Reads()
+        self.candidates: dict[str, Candidate] = {}
+        self.round_trips = 0
+        self._round = Round()
 
-    def fresh(self) -> Scorer:
-        """A scorer for a further round trip of the same request (same hash chains)."""
-        return Scorer(self.num_tokens, self.block_size, self.chain, self.store)
+    def _chain(self, view: View) -> tuple[Hashable, Sequence[bytes]]:
+        """The prompt's member keys as this candidate's sets hold them, with a name that is
+        the same for every candidate sharing the chain (hashed once per request)."""
+        unit = view.rule.hash_unit if view.rule is not None else self.block_size
+        return unit, self.chain(unit)
 
-    def store_execute(self) -> list[Any]:
-        assert self.store is not None
-        return self.store.execute(self.reads)
+    def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Candidate:
+        """Queue the candidate's first reads for ``view`` (and its descriptors, to check
+        it) in the next round trip; a candidate queued again starts over."""
+        c = Candidate(view, self._tier(ip, view, "l1"), self._tier(ip, view, "l3"))
+        r = self._round
+        if descriptors:
+            r.add(r.reads.hgetall(keys.l1_groups(ip)), lambda v: setattr(c, "fields", v))
+            r.add(r.reads.hget(keys.l3_state(ip), "groups"), lambda v: setattr(c, "l3_field", v))
+        if view.check_unit:
+            r.add(r.reads.hget(keys.l1_state(ip), "hash_check"), lambda v: _set_check(c, v))
+        for tier in (c.l1, c.l3):
+            if tier is not None:
+                for g, idx in tier.next_reads(first=True):
+                    r.probe(tier, g, idx)
+        self.candidates[ip] = c
+        return c
 
-    def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Slots:
-        """Queue the candidate's reads for ``view`` (and its descriptors, to check it)."""
-        r = self.reads
-        slots = Slots(
-            r.hgetall(keys.l1_groups(ip)) if descriptors else -1,
-            r.hget(keys.l3_state(ip), "groups") if descriptors else -1,
-            r.hget(keys.l1_state(ip), "hash_check") if view.check_unit else None,
-        )
-        if view.rule is None:
-            if self.n:
-                blob = self._blob(self.block_size, range(self.n))
-                slots.l1.append((r.smismember(keys.tier_set(ip, "l1"), blob), range(self.n)))
-                if view.l3_groups:
-                    slots.l3.append((r.smismember(keys.l3_set(ip), blob), range(self.n)))
-            return slots
-        rule, unit = view.rule, view.rule.hash_unit
-        for pos, gid in enumerate(view.l1_groups):
-            idx = hit_rule.probe_indices(rule, pos, self.num_tokens)
-            if not len(idx):
-                slots.l1.append((-1, idx))
-                slots.l3.append((-1, idx))
+    def execute(self) -> None:
+        """Send the queued reads in one pipelined round trip and record the replies."""
+        rnd, self._round = self._round, Round()
+        if rnd.handlers:
+            assert self.store is not None
+            rnd.deliver(self.store.execute(rnd.reads))
+            self.round_trips += 1
+        for c in self.candidates.values():
+            c.waiting = False
+
+    def finish(self) -> dict[str, tuple[Hit, Hit]]:
+        """Round trips until every candidate's answers are proven; their (L1, L3) hits."""
+        while True:
+            for c in self.candidates.values():
+                if not c.waiting:
+                    self._plan_next(c)
+            if not self._round.handlers:
+                break
+            self.execute()
+        return {ip: self.evaluate(c) for ip, c in self.candidates.items()}
+
+    def _plan_next(self, c: Candidate) -> None:
+        for t, tier in enumerate((c.l1, c.l3)):
+            if tier is None or c.answers[t] is not None:
                 continue
-            blob = self._blob(unit, idx)
-            slots.l1.append((r.smismember(keys.tier_group_set(ip, "l1", gid), blob), idx))
-            if view.l3_groups:
-                slots.l3.append((r.smismember(keys.l3_group_set(ip, gid), blob), idx))
-        return slots
+            c.answers[t] = tier.answer()
+            if c.answers[t] is None:
+                for g, idx in tier.next_reads(first=False):
+                    self._round.probe(tier, g, idx)
+                c.waiting = True
 
-    def _blob(self, unit: int, idx: Sequence[int]) -> int:
-        key = (unit, (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tuple(idx))
-        found = self._blobs.get(key)
-        if found is None:
-            members = self.chain(unit)
-            picked = (
-                members[: len(idx)]
-                if isinstance(idx, range) and idx.start == 0 and idx.step == 1
-                else [members[i] for i in idx]
-            )
-            found = self._blobs[key] = self.reads.members(picked)
-        return found
+    def _tier(self, ip: str, view: View, tier: str) -> TierRead | None:
+        readable = view.l1_groups if tier == "l1" else view.l3_groups
+        if not self.n or not readable:
+            return None
+        chain = self._chain(view)
+        if view.rule is None:
+            key = keys.tier_set(ip, "l1") if tier == "l1" else keys.l3_set(ip)
+            return TierRead([key], [range(self.n)], self.n, _run, _same, chain)
+        rule, num_tokens = view.rule, self.num_tokens
+        if tier == "l1":
+            set_keys = [keys.tier_group_set(ip, "l1", g) for g in view.l1_groups]
+        else:
+            set_keys = [keys.l3_group_set(ip, g) for g in view.l1_groups]
+        probes: list[Sequence[int]] = [
+            hit_rule.probe_indices(rule, pos, num_tokens) for pos in range(len(set_keys))
+        ]
+        return TierRead(
+            set_keys,
+            probes,
+            num_tokens // rule.hash_unit,
+            lambda flags: hit_rule.hit_tokens(rule, num_tokens, flags),
+            lambda tokens: tokens // rule.hash_unit,
+            chain,
+        )
 
-    def evaluate(self, view: View, slots: Slots, replies: list[Any]) -> tuple[Hit, Hit]:
-        """The (L1, L3) hits of one candidate from its replies."""
+    def evaluate(self, c: Candidate) -> tuple[Hit, Hit]:
+        """The (L1, L3) hits of one candidate from its proven answers."""
+        view = c.view
         extra: tuple[str, ...] = ()
-        if slots.hash_check is not None and replies[slots.hash_check] != "ok":
+        if view.check_unit and c.hash_check != "ok":
             extra = (UNCONFIRMED_UNIT,)
-        l1 = self._tier(view, slots.l1, replies, view.reasons + extra, bool(view.l1_groups))
-        l3 = self._tier(view, slots.l3, replies, view.l3_reasons + extra, bool(view.l3_groups))
+        l1 = self._hit(view, c.l1, c.answers[0], view.reasons + extra)
+        l3 = self._hit(view, c.l3, c.answers[1], view.l3_reasons + extra)
         return l1, l3
 
-    def _tier(
-        self,
-        view: View,
-        slots: list[tuple[int, Sequence[int]]],
-        replies: list[Any],
-        reasons: tuple[str, ...],
-        readable: bool,
+    def _hit(
+        self, view: View, tier: TierRead | None, answer: int | None, reasons: tuple[str, ...]
     ) -> Hit:
         n, size = self.n, self.block_size
-        if not n or not readable or not slots:
+        if tier is None:
             return Hit(0, 0.0, reasons)
+        if answer is None:
+            answer = tier.solve(tier.lo)  # not reached after finish(): every answer proven
         if view.rule is None:
-            run = _run_length(replies[slots[0][0]])
             if view.block_size and view.block_size != size:
                 reasons += (BLOCK_SIZE_DIFFERS,)
-            return Hit(min(run, (self.num_tokens - 1) // size) * size, run / n, reasons)
-        m = self.num_tokens // view.rule.hash_unit
-        present: list[list[int]] = []
-        for slot, idx in slots:
-            if slot < 0:
-                present.append([0] * m)
-            elif isinstance(idx, range) and idx.start == 0 and idx.step == 1:
-                reply = replies[slot]  # the common case: every index from 0
-                present.append(reply + [0] * (m - len(reply)) if len(reply) < m else reply)
-            else:
-                flags = [0] * m
-                for i, f in zip(idx, replies[slot]):
-                    flags[i] = f
-                present.append(flags)
-        tokens = hit_rule.hit_tokens(view.rule, self.num_tokens, present)
-        return Hit(tokens, min(tokens, n * size) / (n * size), reasons)
+            return Hit(min(answer, (self.num_tokens - 1) // size) * size, answer / n, reasons)
+        return Hit(answer, min(answer, n * size) / (n * size), reasons)
 
 
-def _run_length(flags: list[int]) -> int:
-    try:
-        return flags.index(0)
-    except ValueError:
-        return len(flags)
+def _set_check(c: Candidate, value: str | None) -> None:
+    c.hash_check = value
+
+
+def _run(flags: list[bytearray]) -> int:
+    """The single-group rule: blocks held from block 0 up to the first miss."""
+    miss = flags[0].find(0)
+    return len(flags[0]) if miss < 0 else miss
+
+
+def _same(blocks: int) -> int:
+    return blocks

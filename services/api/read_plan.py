@@ -1,0 +1,176 @@
+"""Which set members the hit-rate read asks Redis about, round by round, and when it may stop.
+
+An answer depends on one candidate tier's membership flags at the chain indices its rule may
+read (the *probes*: every block for a single-group instance,
+:func:`common.hit_rule.probe_indices` per group for a hybrid). Reading them all costs Redis
+candidates × tiers × prompt blocks look-ups, although most candidates hold nothing or a
+short prefix. Instead each group's flags are kept twice: ``lo`` with every unread probe
+taken as absent and ``hi`` with every unread probe taken as present. The rule is monotone in
+the flags (holding more never shortens a hit: it is the longest length every class
+accepts), so ``solve(lo) <= true answer <= solve(hi)``; when the two agree the answer is
+proven and nothing more is read.
+
+- **Round 1** reads, per group, the first :data:`FIRST` probes and samples at positions
+  ``FIRST·GROWTH^k − 1`` and the last (a group of at most :data:`WHOLE` probes is read
+  whole). A candidate that misses in the first chunk (most of them) is settled here; a
+  sampled miss bounds a longer hit from above.
+- **Round 2** reads, for the unsettled, every probe below the bound that ``solve(hi)``
+  gives (``limit``: a hit of length L depends only on flags below L). After it ``lo`` and
+  ``hi`` agree (everything ``hi``'s answer depends on is known), so a question costs two
+  round trips at most; a later round, which reads whatever is left, is only a safety net.
+
+Redis work per candidate tier: ``FIRST`` + log(blocks) look-ups, plus about ``GROWTH`` ×
+its hit when it holds more than the first chunk (a hole in the middle of a longer prefix
+makes that the blocks up to the first sampled miss: never more than a full read).
+Reads go through :class:`common.store.Reads` (members encoded once per request and index
+set, shared by every candidate that reads the same indices of the same chain).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from common.store import Reads
+
+FIRST = 32
+"""Probes per group and tier that round 1 reads from the start."""
+WHOLE = 96
+"""A group with at most this many probes is read whole in round 1 (one round trip)."""
+GROWTH = 2.0
+"""Ratio between round 1's sampled positions beyond the first chunk."""
+
+Solve = Callable[[list[bytearray]], int]
+"""Per-group flags (one byte per chain index) → the answer (blocks or tokens)."""
+Limit = Callable[[int], int]
+"""An answer → the chain index below which every flag it depends on lies."""
+
+
+def first_round(probes: Sequence[int]) -> Sequence[int]:
+    """The probes round 1 reads: all of a short group, else the first chunk and samples."""
+    n = len(probes)
+    if n <= WHOLE:
+        return probes
+    picks = list(range(FIRST))
+    pos = float(FIRST)
+    while (pos := pos * GROWTH) < n:
+        picks.append(int(pos) - 1)
+    if picks[-1] != n - 1:
+        picks.append(n - 1)
+    return [probes[i] for i in picks]
+
+
+def index_key(idx: Sequence[int]) -> Hashable:
+    """A hashable name of an index sequence (ranges by their bounds)."""
+    if isinstance(idx, range):
+        return (idx.start, idx.stop, idx.step)
+    return tuple(idx)
+
+
+class TierRead:
+    """One candidate tier: its groups' set keys, probes and known flags (``lo``/``hi``)."""
+
+    __slots__ = ("set_keys", "probes", "lo", "hi", "read_to", "solve", "limit", "chain")
+
+    def __init__(
+        self,
+        set_keys: list[str],
+        probes: list[Sequence[int]],
+        m: int,
+        solve: Solve,
+        limit: Limit,
+        chain: tuple[Hashable, Sequence[bytes]],
+    ) -> None:
+        self.set_keys, self.probes, self.solve, self.limit = set_keys, probes, solve, limit
+        self.chain = chain
+        self.lo = [bytearray(m) for _ in probes]
+        self.hi = [_ones(m, p) for p in probes]
+        self.read_to = [0] * len(probes)  # probes before this position are all read
+
+    def answer(self) -> int | None:
+        """The proven answer, or None while ``lo`` and ``hi`` disagree."""
+        low = self.solve(self.lo)
+        return low if self.solve(self.hi) == low else None
+
+    def next_reads(self, first: bool) -> list[tuple[int, Sequence[int]]]:
+        """(group position, chain indices) to read in the next round."""
+        out = []
+        if first:
+            for g, p in enumerate(self.probes):
+                if len(p):
+                    idx = first_round(p)
+                    out.append((g, idx))
+                    self.read_to[g] = len(p) if idx is p else min(FIRST, len(p))
+            return out
+        bound = self.limit(self.solve(self.hi))
+        for g, p in enumerate(self.probes):
+            stop = bisect_left(p, bound)
+            if stop > self.read_to[g]:
+                out.append((g, p[self.read_to[g] : stop]))
+                self.read_to[g] = stop
+        if not out:  # not expected (see the module docstring): read whatever is left
+            for g, p in enumerate(self.probes):
+                if self.read_to[g] < len(p):
+                    out.append((g, p[self.read_to[g] :]))
+                    self.read_to[g] = len(p)
+        return out
+
+    def learn(self, group: int, idx: Sequence[int], reply: Sequence[Any]) -> None:
+        """Record an SMISMEMBER reply for ``idx`` of group ``group`` in both flag sets."""
+        lo, hi = self.lo[group], self.hi[group]
+        if isinstance(idx, range):
+            got = bytearray(reply)  # 0/1 ints or bools: C speed
+            stop = idx.start + len(idx) * idx.step
+            lo[idx.start : stop : idx.step] = got
+            hi[idx.start : stop : idx.step] = got
+            return
+        for i, f in zip(idx, reply):
+            lo[i] = hi[i] = 1 if f else 0
+
+
+def _ones(m: int, probes: Sequence[int]) -> bytearray:
+    """``m`` bytes, 1 at every probe (unread: maybe present), 0 elsewhere."""
+    if isinstance(probes, range) and probes.step == 1 and probes.start == 0:
+        return bytearray(b"\x01") * len(probes) + bytearray(m - len(probes))
+    out = bytearray(m)
+    if isinstance(probes, range):
+        stop = probes.start + len(probes) * probes.step
+        out[probes.start : stop : probes.step] = b"\x01" * len(probes)
+    else:
+        for i in probes:
+            out[i] = 1
+    return out
+
+
+class Round:
+    """One pipelined round trip of reads, each with the handler its reply goes to."""
+
+    def __init__(self) -> None:
+        self.reads = Reads()
+        self.handlers: list[Callable[[Any], None]] = []
+        self._blobs: dict[tuple[Hashable, Hashable], int] = {}
+
+    def add(self, index: int, handler: Callable[[Any], None]) -> None:
+        assert index == len(self.handlers)
+        self.handlers.append(handler)
+
+    def probe(self, tier: TierRead, group: int, idx: Sequence[int]) -> None:
+        """Queue one SMISMEMBER of ``idx`` of the tier's chain on the group's set."""
+        name, members = tier.chain
+        key = (name, index_key(idx))
+        blob = self._blobs.get(key)
+        if blob is None:
+            if isinstance(idx, range) and idx.step == 1:
+                picked: Sequence[bytes] = members[idx.start : idx.stop]
+            else:
+                picked = [members[i] for i in idx]
+            blob = self._blobs[key] = self.reads.members(picked)
+        self.add(
+            self.reads.smismember(tier.set_keys[group], blob),
+            lambda reply: tier.learn(group, idx, reply),
+        )
+
+    def deliver(self, replies: list[Any]) -> None:
+        for handler, reply in zip(self.handlers, replies, strict=True):
+            handler(reply)
