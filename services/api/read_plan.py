@@ -30,15 +30,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
+from functools import lru_cache
 from typing import Any
 
 from common.store import Reads
 
-FIRST = 32
+FIRST = 8
 """Probes per group and tier that round 1 reads from the start."""
-WHOLE = 96
+WHOLE = 64
 """A group with at most this many probes is read whole in round 1 (one round trip)."""
-GROWTH = 2.0
+GROWTH = 1.5
 """Ratio between round 1's sampled positions beyond the first chunk."""
 
 Solve = Callable[[list[bytearray]], int]
@@ -52,13 +53,21 @@ def first_round(probes: Sequence[int]) -> Sequence[int]:
     n = len(probes)
     if n <= WHOLE:
         return probes
-    picks = list(range(FIRST))
+    return [probes[i] for i in _picks(n)]
+
+
+@lru_cache(maxsize=256)
+def _picks(n: int) -> tuple[int, ...]:
+    """Positions round 1 reads among ``n`` probes: ``0..FIRST-1``, ``FIRST·GROWTH^k − 1``
+    and ``n − 1``."""
+    picks = list(range(min(FIRST, n)))
     pos = float(FIRST)
     while (pos := pos * GROWTH) < n:
-        picks.append(int(pos) - 1)
+        if int(pos) - 1 > picks[-1]:
+            picks.append(int(pos) - 1)
     if picks[-1] != n - 1:
         picks.append(n - 1)
-    return [probes[i] for i in picks]
+    return tuple(picks)
 
 
 def index_key(idx: Sequence[int]) -> Hashable:
