@@ -30,8 +30,10 @@ SHAPES: dict[str, tuple[list[GroupSpec], int]] = {
         [GroupSpec("sliding_window", 16, 17), GroupSpec("full_attention", 64)],
         16,
     ),
-    "chunked+fa": ([GroupSpec("chunked_local_attention", 32, None, 256)] * 1
-        + [GroupSpec("full_attention", 32)], 32),  # fmt: skip
+    "chunked+fa": (
+        [GroupSpec("chunked_local_attention", 32, None, 256), GroupSpec("full_attention", 32)],
+        32,
+    ),
     "unknown kind": ([GroupSpec(None, 16), GroupSpec("mamba", 16)], 16),
 }
 
