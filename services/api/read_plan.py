@@ -53,7 +53,15 @@ def first_round(probes: Sequence[int]) -> Sequence[int]:
     n = len(probes)
     if n <= WHOLE:
         return probes
+    if isinstance(probes, range):
+        return _first_of_range(probes.start, probes.stop, probes.step)
     return [probes[i] for i in _picks(n)]
+
+
+@lru_cache(maxsize=256)
+def _first_of_range(start: int, stop: int, step: int) -> tuple[int, ...]:
+    probes = range(start, stop, step)
+    return tuple(probes[i] for i in _picks(len(probes)))
 
 
 @lru_cache(maxsize=256)
@@ -155,10 +163,13 @@ def _ones(m: int, probes: Sequence[int]) -> bytearray:
 class Round:
     """One pipelined round trip of reads, each with the handler its reply goes to."""
 
-    def __init__(self) -> None:
+    def __init__(self, encoded: dict[Hashable, list[bytes]] | None = None) -> None:
         self.reads = Reads()
         self.handlers: list[Callable[[Any], None]] = []
         self._blobs: dict[tuple[Hashable, Hashable], int] = {}
+        self._encoded = encoded if encoded is not None else {}
+        """Per chain, its members as RESP bulk strings, as far as a range needed them:
+        encoded once per request, whatever the candidates and rounds that read them."""
 
     def add(self, index: int, handler: Callable[[Any], None]) -> None:
         assert index == len(self.handlers)
@@ -171,10 +182,16 @@ class Round:
         blob = self._blobs.get(key)
         if blob is None:
             if isinstance(idx, range) and idx.step == 1:
-                picked: Sequence[bytes] = members[idx.start : idx.stop]
+                pieces = self._encoded.setdefault(name, [])
+                if len(pieces) < idx.stop:
+                    pieces += [
+                        b"$%d\r\n%b\r\n" % (len(m), m) for m in members[len(pieces) : idx.stop]
+                    ]
+                data = b"".join(pieces[idx.start : idx.stop])
+                blob = self.reads.members(members[idx.start : idx.stop], data)
             else:
-                picked = [members[i] for i in idx]
-            blob = self._blobs[key] = self.reads.members(picked)
+                blob = self.reads.members([members[i] for i in idx])
+            self._blobs[key] = blob
         self.add(
             self.reads.smismember(tier.set_keys[group], blob),
             lambda reply: tier.learn(group, idx, reply),

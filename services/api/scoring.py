@@ -160,7 +160,8 @@ class Scorer:
         self.n = num_tokens // block_size
         self.candidates: dict[str, Candidate] = {}
         self.round_trips = 0
-        self._round = Round()
+        self._encoded: dict[Hashable, list[bytes]] = {}
+        self._round = Round(self._encoded)
 
     def _chain(self, view: View) -> tuple[Hashable, Sequence[bytes]]:
         """The prompt's member keys as this candidate's sets hold them, with a name that is
@@ -187,7 +188,7 @@ class Scorer:
 
     def execute(self) -> None:
         """Send the queued reads in one pipelined round trip and record the replies."""
-        rnd, self._round = self._round, Round()
+        rnd, self._round = self._round, Round(self._encoded)
         if rnd.handlers:
             assert self.store is not None
             rnd.deliver(self.store.execute(rnd.reads))
