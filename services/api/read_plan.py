@@ -78,13 +78,6 @@ def _picks(n: int) -> tuple[int, ...]:
     return tuple(picks)
 
 
-def index_key(idx: Sequence[int]) -> Hashable:
-    """A hashable name of an index sequence (ranges by their bounds)."""
-    if isinstance(idx, range):
-        return (idx.start, idx.stop, idx.step)
-    return tuple(idx)
-
-
 class TierRead:
     """One candidate tier: its groups' set keys, probes and known flags (``lo``/``hi``)."""
 
@@ -146,6 +139,51 @@ class TierRead:
             lo[i] = hi[i] = 1 if f else 0
 
 
+class PrefixRead:
+    """One single-group candidate tier: the longest run from block 0 (the contract's rule),
+    the same plan as :class:`TierRead` with its flags kept as two numbers: ``held``, the
+    blocks known present from 0, and ``miss``, the first block known absent (``n``: none
+    known). ``solve(lo)`` is ``held``, ``solve(hi)`` is ``miss``; proven when they meet."""
+
+    __slots__ = ("set_keys", "n", "held", "miss", "chain")
+
+    def __init__(self, key: str, n: int, chain: tuple[Hashable, Sequence[bytes]]) -> None:
+        self.set_keys, self.n, self.chain = (key,), n, chain
+        self.held, self.miss = 0, n
+
+    def answer(self) -> int | None:
+        return self.held if self.held == self.miss else None
+
+    def next_reads(self, first: bool) -> list[tuple[int, Sequence[int]]]:
+        if first:
+            return [(0, first_round(range(self.n)))]
+        return [(0, range(self.held, self.miss))]
+
+    def learn(self, group: int, idx: Sequence[int], reply: Sequence[Any]) -> None:
+        del group
+        flags = bytearray(reply)  # 0/1 ints or bools
+        zero = flags.find(0)
+        if zero >= 0 and idx[zero] < self.miss:
+            self.miss = idx[zero]  # idx ascending: the first known miss
+        if idx[0] <= self.held:  # a run read from inside the known prefix extends it
+            head = len(idx) if isinstance(idx, range) else _head(idx)
+            run = head if zero < 0 or zero >= head else zero
+            self.held = max(self.held, idx[0] + run)
+
+    def solve(self, flags: object) -> int:
+        del flags
+        return self.held
+
+
+def _head(idx: Sequence[int]) -> int:
+    """How many of ``idx`` are consecutive from ``idx[0]``."""
+    base, count = idx[0], 0
+    for count, i in enumerate(idx):  # noqa: B007 - the count is the answer
+        if i != base + count:
+            return count
+    return len(idx)
+
+
 def _ones(m: int, probes: Sequence[int]) -> bytearray:
     """``m`` bytes, 1 at every probe (unread: maybe present), 0 elsewhere."""
     if isinstance(probes, range) and probes.step == 1 and probes.start == 0:
@@ -160,25 +198,31 @@ def _ones(m: int, probes: Sequence[int]) -> bytearray:
     return out
 
 
+Tier = TierRead | PrefixRead
+"""One candidate tier's reads."""
+
+
 class Round:
-    """One pipelined round trip of reads, each with the handler its reply goes to."""
+    """One pipelined round trip of reads, each with the handler its reply goes to: a
+    ``(function, a, b)`` called as ``function(a, b, reply)`` (no closure per read)."""
 
     def __init__(self, encoded: dict[Hashable, list[bytes]] | None = None) -> None:
         self.reads = Reads()
-        self.handlers: list[Callable[[Any], None]] = []
+        self.handlers: list[tuple[Callable[[Any, Any, Any], Any], Any, Any]] = []
         self._blobs: dict[tuple[Hashable, Hashable], int] = {}
         self._encoded = encoded if encoded is not None else {}
         """Per chain, its members as RESP bulk strings, as far as a range needed them:
         encoded once per request, whatever the candidates and rounds that read them."""
 
-    def add(self, index: int, handler: Callable[[Any], None]) -> None:
+    def field(self, index: int, owner: object, name: str) -> None:
+        """The reply of read ``index`` goes to ``owner.<name>``."""
         assert index == len(self.handlers)
-        self.handlers.append(handler)
+        self.handlers.append((setattr, owner, name))
 
-    def probe(self, tier: TierRead, group: int, idx: Sequence[int]) -> None:
+    def probe(self, tier: Tier, group: int, idx: Sequence[int]) -> None:
         """Queue one SMISMEMBER of ``idx`` of the tier's chain on the group's set."""
         name, members = tier.chain
-        key = (name, index_key(idx))
+        key = (name, idx if isinstance(idx, (range, tuple)) else tuple(idx))
         blob = self._blobs.get(key)
         if blob is None:
             if isinstance(idx, range) and idx.step == 1:
@@ -192,11 +236,9 @@ class Round:
             else:
                 blob = self.reads.members([members[i] for i in idx])
             self._blobs[key] = blob
-        self.add(
-            self.reads.smismember(tier.set_keys[group], blob),
-            lambda reply: tier.learn(group, idx, reply),
-        )
+        self.reads.smismember(tier.set_keys[group], blob)
+        self.handlers.append((tier.learn, group, idx))
 
     def deliver(self, replies: list[Any]) -> None:
-        for handler, reply in zip(self.handlers, replies, strict=True):
-            handler(reply)
+        for (handler, a, b), reply in zip(self.handlers, replies, strict=True):
+            handler(a, b, reply)

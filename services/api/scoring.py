@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common import hit_rule, keys
 from common.group_view import UNCONFIRMED_UNIT, parse_groups
 from common.hit_rule import Rule
 from common.store import Reads
-from services.api.read_plan import Round, TierRead
+from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
 Chain = Callable[[int], Sequence[bytes]]
 """Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
@@ -129,19 +129,19 @@ class Hit:
     reasons: tuple[str, ...] = ()
 
 
-@dataclass
 class Candidate:
     """One candidate of a request: its view, descriptors as read, and both tiers' reads."""
 
-    view: View
-    l1: TierRead | None
-    l3: TierRead | None
-    fields: dict[str, str] = field(default_factory=dict)
-    l3_field: str | None = None
-    hash_check: str | None = None
-    waiting: bool = True
-    """Reads queued for the next round trip (no further reads planned until they land)."""
-    answers: list[int | None] = field(default_factory=lambda: [None, None])
+    __slots__ = ("view", "l1", "l3", "fields", "l3_field", "hash_check", "waiting", "answers")
+
+    def __init__(self, view: View, l1: Tier | None, l3: Tier | None) -> None:
+        self.view, self.l1, self.l3 = view, l1, l3
+        self.fields: dict[str, str] = {}
+        self.l3_field: str | None = None
+        self.hash_check: str | None = None
+        self.waiting = True
+        """Reads queued for the next round trip (no further reads planned until they land)."""
+        self.answers: list[int | None] = [None, None]
 
     @property
     def descriptors(self) -> tuple[dict[str, str], str | None]:
@@ -175,10 +175,10 @@ class Scorer:
         c = Candidate(view, self._tier(ip, view, "l1"), self._tier(ip, view, "l3"))
         r = self._round
         if descriptors:
-            r.add(r.reads.hgetall(keys.l1_groups(ip)), lambda v: setattr(c, "fields", v))
-            r.add(r.reads.hget(keys.l3_state(ip), "groups"), lambda v: setattr(c, "l3_field", v))
+            r.field(r.reads.hgetall(keys.l1_groups(ip)), c, "fields")
+            r.field(r.reads.hget(keys.l3_state(ip), "groups"), c, "l3_field")
         if view.check_unit:
-            r.add(r.reads.hget(keys.l1_state(ip), "hash_check"), lambda v: _set_check(c, v))
+            r.field(r.reads.hget(keys.l1_state(ip), "hash_check"), c, "hash_check")
         for tier in (c.l1, c.l3):
             if tier is not None:
                 for g, idx in tier.next_reads(first=True):
@@ -217,14 +217,14 @@ class Scorer:
                     self._round.probe(tier, g, idx)
                 c.waiting = True
 
-    def _tier(self, ip: str, view: View, tier: str) -> TierRead | None:
+    def _tier(self, ip: str, view: View, tier: str) -> Tier | None:
         readable = view.l1_groups if tier == "l1" else view.l3_groups
         if not self.n or not readable:
             return None
         chain = self._chain(view)
         if view.rule is None:
             key = keys.tier_set(ip, "l1") if tier == "l1" else keys.l3_set(ip)
-            return TierRead([key], [range(self.n)], self.n, _run, _same, chain)
+            return PrefixRead(key, self.n, chain)
         rule, num_tokens = view.rule, self.num_tokens
         if tier == "l1":
             set_keys = [keys.tier_group_set(ip, "l1", g) for g in view.l1_groups]
@@ -253,13 +253,12 @@ class Scorer:
         return l1, l3
 
     def _hit(
-        self, view: View, tier: TierRead | None, answer: int | None, reasons: tuple[str, ...]
+        self, view: View, tier: Tier | None, answer: int | None, reasons: tuple[str, ...]
     ) -> Hit:
         n, size = self.n, self.block_size
         if tier is None:
             return Hit(0, 0.0, reasons)
-        if answer is None:
-            answer = tier.solve(tier.lo)  # not reached after finish(): every answer proven
+        assert answer is not None  # finish() proved every answer
         if view.rule is None:
             if view.block_size and view.block_size != size:
                 reasons += (BLOCK_SIZE_DIFFERS,)
@@ -269,13 +268,3 @@ class Scorer:
 
 def _set_check(c: Candidate, value: str | None) -> None:
     c.hash_check = value
-
-
-def _run(flags: list[bytearray]) -> int:
-    """The single-group rule: blocks held from block 0 up to the first miss."""
-    miss = flags[0].find(0)
-    return len(flags[0]) if miss < 0 else miss
-
-
-def _same(blocks: int) -> int:
-    return blocks

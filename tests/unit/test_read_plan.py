@@ -13,7 +13,7 @@ import pytest
 from common import hit_rule
 from common.hit_rule import GroupSpec, Rule
 from services.api import read_plan
-from services.api.read_plan import FIRST, GROWTH, WHOLE, TierRead, first_round
+from services.api.read_plan import FIRST, GROWTH, WHOLE, PrefixRead, Tier, TierRead, first_round
 
 SHAPES: dict[str, tuple[list[GroupSpec], int]] = {
     "swa+fa": ([GroupSpec("sliding_window", 16, 48), GroupSpec("full_attention", 16)], 16),
@@ -38,7 +38,11 @@ SHAPES: dict[str, tuple[list[GroupSpec], int]] = {
 }
 
 
-def _single(m: int) -> TierRead:
+def _single(m: int, generic: bool = False) -> Tier:
+    """The single-group plan (:class:`PrefixRead`), or the generic one with its rule."""
+    if not generic:
+        return PrefixRead("k", m, ("c", []))
+
     def run(flags: list[bytearray]) -> int:
         miss = flags[0].find(0)
         return m if miss < 0 else miss
@@ -58,7 +62,7 @@ def _hybrid(rule: Rule, num_tokens: int) -> TierRead:
     )
 
 
-def _run_plan(tier: TierRead, flags: Sequence[Sequence[int]]) -> tuple[int, int, int]:
+def _run_plan(tier: Tier, flags: Sequence[Sequence[int]]) -> tuple[int, int, int]:
     """(answer, round trips, flags read), the store answering from ``flags``."""
     rounds, read, answer = 0, 0, None
     first = True
@@ -98,18 +102,20 @@ def test_round_one_reads_the_first_chunk_geometric_samples_and_the_last() -> Non
     assert first_round(short) is short  # a short group: everything, one round trip
 
 
+@pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize("m", [1, 7, WHOLE, WHOLE + 1, 300, 2048])
-def test_single_group_answers_equal_the_full_read_in_two_rounds(m: int) -> None:
+def test_single_group_answers_equal_the_full_read_in_two_rounds(m: int, generic: bool) -> None:
     rng = random.Random(m)
     for trial in range(300):
         flags = _prefix_with_holes(rng, m)
-        answer, rounds, _ = _run_plan(_single(m), [flags])
+        answer, rounds, _ = _run_plan(_single(m, generic), [flags])
         assert answer == hit_rule.prefix_blocks(flags), (trial, flags)
         assert rounds <= (1 if m <= WHOLE else 2)
 
 
+@pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize("m", [WHOLE + 1, 300, 2048])
-def test_every_edge_of_round_one(m: int) -> None:
+def test_every_edge_of_round_one(m: int, generic: bool) -> None:
     """A miss exactly at each position round 1 reads, one before and one after it, and a
     run that ends exactly at the end of the prompt; with and without blocks held after it."""
     picks = read_plan._picks(m)
@@ -118,7 +124,7 @@ def test_every_edge_of_round_one(m: int) -> None:
             flags = [1] * edge + [tail] * (m - edge)
             if edge < m:
                 flags[edge] = 0
-            answer, rounds, _ = _run_plan(_single(m), [flags])
+            answer, rounds, _ = _run_plan(_single(m, generic), [flags])
             assert answer == edge and rounds <= 2, (edge, tail)
 
 
