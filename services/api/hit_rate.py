@@ -4,8 +4,9 @@ The contract (original-contract.md §1) in short: one score per ``server_ip`` in
 duplicates kept; ``n = len(token_ids) // block_size`` full blocks; a ratio is the
 instance's hit in a tier divided by ``n``, the hit being vLLM's rule as
 :mod:`services.api.scoring` applies it (the longest run from block 0 for a single-group
-model). A request's Redis reads are one pipelined round trip, plus one more only for
-candidates whose group descriptors changed meanwhile (:mod:`services.api.scoring`). Every
+model). A request's Redis reads are one or two pipelined round trips as the read plan
+needs them (:mod:`services.api.read_plan`), a candidate whose group descriptors changed
+meanwhile starting over in the next one (:mod:`services.api.scoring`). Every
 failure is a :class:`~common.errors.RequestError` whose status is both the HTTP status and
 the body's ``status``; :mod:`services.api.app` renders it.
 
@@ -223,9 +224,9 @@ def score(
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
 
     The prompt is hashed once per distinct hash unit among the candidates (the request's
-    block size for single-group instances); the reads are one pipelined round trip, plus
-    one for the candidates whose KV-cache groups changed since this worker last saw them
-    (:mod:`services.api.scoring`)."""
+    block size for single-group instances); the reads are the read plan's one or two
+    pipelined round trips (:mod:`services.api.read_plan`), the candidates whose KV-cache
+    groups changed since this worker last saw them starting over in the next one."""
     views = views if views is not None else ViewCache()
     chains: dict[int, Sequence[bytes]] = {}
 

@@ -3,13 +3,14 @@
 An instance's KV-cache groups are what the L1 ingester learned from its events
 (``ci:{ip}:l1:groups``, :mod:`common.keys`); the L3 poller's ``groups`` field says which
 group sets Mooncake holds. :func:`parse_view` turns both into a :class:`View`: a
-**single-group** view (no descriptor, or one full-attention-family group 0) reads exactly
-what the contract's rule needs — one SMISMEMBER of the request's blocks per tier — and
-answers the longest run from block 0 as before; a **hybrid** view reads each group's set
-at the positions :func:`common.hit_rule.probe_indices` names and answers
-:func:`common.hit_rule.hit_tokens`. Views are cached per instance (:class:`ViewCache`);
-every round trip also re-reads the descriptors, and a candidate whose descriptors changed
-is read again with its new view in a second round trip (at most one per request).
+**single-group** view (no descriptor, or one full-attention-family group 0) may read the
+request's blocks per tier and answers the longest run from block 0 as before; a **hybrid**
+view may read each group's set at the positions :func:`common.hit_rule.probe_indices`
+names and answers :func:`common.hit_rule.hit_tokens`. Which of those are read, round by
+round, until the answer is proven: :mod:`services.api.read_plan` (:class:`Scorer` runs the
+rounds). Views are cached per instance (:class:`ViewCache`); the first round trip also
+re-reads the descriptors, and a candidate whose descriptors changed starts over with its
+new view in the next round trip.
 
 An answer is exact or a lower bound, never above what vLLM reuses; :attr:`View.reasons`
 says why one is only a lower bound (``docs/design.md``, "KV-cache groups").
