@@ -41,6 +41,9 @@ WHOLE = 64
 """A group with at most this many probes is read whole in round 1 (one round trip)."""
 GROWTH = 1.5
 """Ratio between round 1's sampled positions beyond the first chunk."""
+MAX_MEMBERS = 4096
+"""Members per SMISMEMBER at most: a longer read is split, so no one command holds Redis
+(single-threaded) for more than about a millisecond whatever the prompt's length."""
 
 Solve = Callable[[list[bytearray]], int]
 """Per-group flags (one byte per chain index) → the answer (blocks or tokens)."""
@@ -220,7 +223,13 @@ class Round:
         self.handlers.append((setattr, owner, name))
 
     def probe(self, tier: Tier, group: int, idx: Sequence[int]) -> None:
-        """Queue one SMISMEMBER of ``idx`` of the tier's chain on the group's set."""
+        """Queue SMISMEMBERs of ``idx`` of the tier's chain on the group's set, at most
+        :data:`MAX_MEMBERS` members each (replies are delivered in order)."""
+        for start in range(0, len(idx), MAX_MEMBERS):
+            piece = idx if len(idx) <= MAX_MEMBERS else idx[start : start + MAX_MEMBERS]
+            self._probe(tier, group, piece)
+
+    def _probe(self, tier: Tier, group: int, idx: Sequence[int]) -> None:
         name, members = tier.chain
         key = (name, idx if isinstance(idx, (range, tuple)) else tuple(idx))
         blob = self._blobs.get(key)

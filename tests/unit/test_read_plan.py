@@ -170,3 +170,26 @@ def test_the_rule_is_monotone_in_the_flags(shape: str) -> None:
         g, i = rng.randrange(len(specs)), rng.randrange(m)
         flags[g][i] = 1
         assert hit_rule.hit_tokens(rule, num_tokens, flags) >= before
+
+
+def test_no_command_reads_more_than_max_members() -> None:
+    """A long hit is read in pieces of at most MAX_MEMBERS members (no command holds Redis
+    long), and the pieces' replies, delivered in order, still prove the exact answer."""
+    m = 3 * read_plan.MAX_MEMBERS + 17
+    members = [b"%d" % i for i in range(m)]
+    for run in (m, m - 5, read_plan.MAX_MEMBERS + 3):
+        held = set(members[:run])
+        tier = PrefixRead("k", m, ("c", members))
+        first = True
+        while tier.answer() is None:
+            rnd = read_plan.Round()
+            for g, idx in tier.next_reads(first):
+                rnd.probe(tier, g, idx)
+            first = False
+            sizes = [len(b.members) for b in rnd.reads.blobs]
+            assert max(sizes) <= read_plan.MAX_MEMBERS
+            replies = [
+                [int(x in held) for x in rnd.reads.blobs[cmd[2]].members] for cmd in rnd.reads.cmds
+            ]
+            rnd.deliver(replies)
+        assert tier.answer() == run
