@@ -159,7 +159,7 @@ class PrefixRead:
 
     def next_reads(self, first: bool) -> list[tuple[int, Sequence[int]]]:
         if first:
-            return [(0, first_round(range(self.n)))]
+            return _first_reads(self.n)
         return [(0, range(self.held, self.miss))]
 
     def learn(self, group: int, idx: Sequence[int], reply: Sequence[Any]) -> None:
@@ -176,6 +176,11 @@ class PrefixRead:
     def solve(self, flags: object) -> int:
         del flags
         return self.held
+
+
+@lru_cache(maxsize=256)
+def _first_reads(n: int) -> list[tuple[int, Sequence[int]]]:
+    return [(0, first_round(range(n)))]  # shared: callers only iterate it
 
 
 def _head(idx: Sequence[int]) -> int:
@@ -225,9 +230,11 @@ class Round:
     def probe(self, tier: Tier, group: int, idx: Sequence[int]) -> None:
         """Queue SMISMEMBERs of ``idx`` of the tier's chain on the group's set, at most
         :data:`MAX_MEMBERS` members each (replies are delivered in order)."""
+        if len(idx) <= MAX_MEMBERS:
+            self._probe(tier, group, idx)
+            return
         for start in range(0, len(idx), MAX_MEMBERS):
-            piece = idx if len(idx) <= MAX_MEMBERS else idx[start : start + MAX_MEMBERS]
-            self._probe(tier, group, piece)
+            self._probe(tier, group, idx[start : start + MAX_MEMBERS])
 
     def _probe(self, tier: Tier, group: int, idx: Sequence[int]) -> None:
         name, members = tier.chain

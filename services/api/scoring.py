@@ -162,13 +162,17 @@ class Scorer:
         self.candidates: dict[str, Candidate] = {}
         self.round_trips = 0
         self._encoded: dict[Hashable, list[bytes]] = {}
+        self._chains: dict[int, tuple[Hashable, Sequence[bytes]]] = {}
         self._round = Round(self._encoded)
 
     def _chain(self, view: View) -> tuple[Hashable, Sequence[bytes]]:
         """The prompt's member keys as this candidate's sets hold them, with a name that is
         the same for every candidate sharing the chain (hashed once per request)."""
         unit = view.rule.hash_unit if view.rule is not None else self.block_size
-        return unit, self.chain(unit)
+        found = self._chains.get(unit)
+        if found is None:
+            found = self._chains[unit] = (unit, self.chain(unit))
+        return found
 
     def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Candidate:
         """Queue the candidate's first reads for ``view`` (and its descriptors, to check
