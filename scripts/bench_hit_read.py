@@ -12,7 +12,8 @@ revision (the old one from a ``git worktree`` of ``--old-rev``); each cell sends
 request to both, in alternating turns, one request at a time, and prints p50/p99 end to end
 and Redis CPU per request from the server's own ``INFO cpu`` (``used_cpu_user`` +
 ``used_cpu_sys`` deltas over the turn, summed over the cluster's nodes), and whether both
-answered the same. A cell's turn stops after ``--seconds`` (at least ``--min-requests``).
+answered the same. Each side has ``--rounds`` turns per cell (the order alternating), a turn
+stopping after ``--seconds`` / rounds (at least ``--min-requests``).
 
 ``--options`` instead compares read strategies in this process on one cell (no HTTP, no
 hashing): the full read, this tree's read plan (:class:`services.api.scoring.Scorer`) and a
@@ -190,7 +191,7 @@ def _turn(
     http: httpx.Client, url: str, body: bytes, fleet: Fleet, args: argparse.Namespace, t: Turns
 ) -> None:
     cpu0, start, sent = fleet.cpu(), time.perf_counter(), 0
-    while sent < args.min_requests or time.perf_counter() - start < args.seconds / 2:
+    while sent < args.min_requests or time.perf_counter() - start < args.seconds / args.rounds:
         t0 = time.perf_counter()
         r = http.post(url, content=body, headers={"Content-Type": "application/json"})
         t.lat.append(time.perf_counter() - t0)
@@ -253,7 +254,7 @@ def _compare(args: argparse.Namespace, fleet: Fleet, prompt: list[int], work: Pa
                 )
                 sides = [Turns(), Turns()]
                 with fleet.holding(held):
-                    for rnd in range(2):
+                    for rnd in range(args.rounds):
                         order = [(old_url, sides[0]), (new_url, sides[1])]
                         for url, t in order if rnd == 0 else order[::-1]:
                             _turn(http, url, body, fleet, args, t)
@@ -329,7 +330,8 @@ def main() -> int:
     p.add_argument("--blocks", default="16,128")
     p.add_argument("--holders", default="0,4,all")
     p.add_argument("--seconds", type=float, default=2.0, help="per side and cell")
-    p.add_argument("--min-requests", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="turns per side and cell, alternating")
+    p.add_argument("--min-requests", type=int, default=3, help="per turn")
     p.add_argument("--max-requests", type=int, default=200)
     p.add_argument("--fleet", type=int, default=1024)
     p.add_argument("--filler", type=int, default=2000)
