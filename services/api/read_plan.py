@@ -22,8 +22,11 @@ proven and nothing more is read.
 Redis work per candidate tier: ``FIRST`` + log(blocks) look-ups, plus about ``GROWTH`` ×
 its hit when it holds more than the first chunk (a hole in the middle of a longer prefix
 makes that the blocks up to the first sampled miss: never more than a full read).
-Reads go through :class:`common.store.Reads` (members encoded once per request and index
-set, shared by every candidate that reads the same indices of the same chain).
+A single-group tier keeps its flags as two numbers (:class:`PrefixRead`), a hybrid's as
+byte arrays run through :func:`common.hit_rule.hit_tokens` (:class:`TierRead`). Reads go
+through :class:`common.store.Reads` (members encoded once per request and index set, shared
+by every candidate that reads the same indices of the same chain; commands of at most
+:data:`MAX_MEMBERS` members).
 """
 
 from __future__ import annotations
