@@ -511,6 +511,11 @@ class Store:
 _SMIS, _HGETALL, _HGET = "SMISMEMBER", "HGETALL", "HGET"
 
 
+def encode_members(members: Sequence[bytes]) -> bytes:
+    """Members as the RESP bulk strings of a command's arguments."""
+    return b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
+
+
 @dataclass
 class MemberBlob:
     """Members of SMISMEMBER commands, encoded once per request and shared by every set."""
@@ -526,9 +531,11 @@ class Reads:
     cmds: list[tuple[str, str, Any]] = field(default_factory=list)
     blobs: list[MemberBlob] = field(default_factory=list)
 
-    def members(self, members: Sequence[bytes]) -> int:
-        """Register members for SMISMEMBER; returns the handle to pass to it."""
-        encoded = b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
+    def members(self, members: Sequence[bytes], encoded: bytes | None = None) -> int:
+        """Register members for SMISMEMBER; returns the handle to pass to it. ``encoded``:
+        the members as RESP bulk strings (:func:`encode_members`), when the caller has them."""
+        if encoded is None:
+            encoded = encode_members(members)
         self.blobs.append(MemberBlob(members, encoded))
         return len(self.blobs) - 1
 

@@ -4,8 +4,9 @@ The contract (original-contract.md §1) in short: one score per ``server_ip`` in
 duplicates kept; ``n = len(token_ids) // block_size`` full blocks; a ratio is the
 instance's hit in a tier divided by ``n``, the hit being vLLM's rule as
 :mod:`services.api.scoring` applies it (the longest run from block 0 for a single-group
-model). A request's Redis reads are one pipelined round trip, plus one more only for
-candidates whose group descriptors changed meanwhile (:mod:`services.api.scoring`). Every
+model). A request's Redis reads are one or two pipelined round trips as the read plan
+needs them (:mod:`services.api.read_plan`), a candidate whose group descriptors changed
+meanwhile starting over in the next one (:mod:`services.api.scoring`). Every
 failure is a :class:`~common.errors.RequestError` whose status is both the HTTP status and
 the body's ``status``; :mod:`services.api.app` renders it.
 
@@ -240,9 +241,9 @@ def score(
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
 
     The prompt is hashed once per distinct hash unit and lookahead L among the candidates
-    (the request's block size for single-group instances); the reads are one pipelined round
-    trip, plus one for the candidates whose KV-cache groups changed since this worker last
-    saw them (:mod:`services.api.scoring`)."""
+    (the request's block size for single-group instances); the reads are the read plan's one
+    or two pipelined round trips (:mod:`services.api.read_plan`), the candidates whose
+    KV-cache groups changed since this worker last saw them starting over in the next one."""
     views = views if views is not None else ViewCache()
     chains: dict[tuple[int, int], Sequence[bytes]] = {}
 
@@ -305,29 +306,23 @@ def _read_hits(
     vllm_version: tuple[int, ...],
     metrics: ApiMetrics,
 ) -> dict[str, tuple[Hit, Hit]]:
-    """Round trip 1 with every candidate's cached view; a second for the changed ones."""
+    """Round 1 with every candidate's cached view and its descriptors; a candidate whose
+    descriptors changed starts over with its new view in the next round trip, together
+    with the reads the others still need (:mod:`services.api.read_plan`)."""
     old = {ip: views.get(ip) for ip in ips}
-    slots = {ip: scorer.queue(ip, old[ip]) for ip in ips}
-    replies = scorer.store_execute()
-    out, changed = {}, {}
+    first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
+    scorer.execute()
+    changed = 0
     for ip in ips:
-        s = slots[ip]
-        if raw_of(replies[s.groups], replies[s.l3_groups]) == old[ip].raw:
-            out[ip] = scorer.evaluate(old[ip], s, replies)
-        else:
-            fresh = parse_view(
-                replies[s.groups], replies[s.l3_groups], vllm_version, views.empty.lookahead
-            )
+        fields, l3_groups = first[ip].descriptors
+        if raw_of(fields, l3_groups) != old[ip].raw:
+            fresh = parse_view(fields, l3_groups, vllm_version, views.empty.lookahead)
             views.put(ip, fresh)
-            changed[ip] = fresh
+            scorer.queue(ip, fresh, descriptors=False)
+            changed += 1
     if changed:
-        metrics.group_rereads.inc(len(changed))
-        again = scorer.fresh()
-        slots2 = {ip: again.queue(ip, view, descriptors=False) for ip, view in changed.items()}
-        replies2 = again.store_execute()
-        for ip, view in changed.items():
-            out[ip] = again.evaluate(view, slots2[ip], replies2)
-    return out
+        metrics.group_rereads.inc(changed)
+    return scorer.finish()
 
 
 def _answer(ip: str, l1: Hit, l3: Hit, detail: bool) -> dict[str, Any]:
