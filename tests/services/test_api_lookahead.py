@@ -210,3 +210,22 @@ def test_a_hybrid_with_lookahead_reads_only_the_blocks_its_chain_has(store: Stor
     )
     assert (dense["l1_hit_tokens"], dense["l1_hit_ratio"]) == (128, 1.0)
     assert hasher.calls == {(BS, 0): 1, (BS, 2): 1}
+
+
+def test_a_sparse_hybrid_with_lookahead_is_not_read_past_its_chain(store: Store) -> None:
+    """Sliding window (block 16, window 32) next to full attention of block 64, hash unit 16:
+    the window's probes are sparse (the windows before each 64-token edge) and the last
+    edge's (positions 6, 7) lies past the L=2 chain's 7 hashes, as does full attention's
+    second block (position 7): both read as absent, so the hit is the first 64 tokens."""
+    c2 = chain(2)
+    gen = store.upsert_instance(Instance(ip="10.0.7.1", uid="u7"))[1]
+    ops = TierOps()
+    ops.describe(0, "sliding_window", BS, 32)
+    ops.store("l1", [c2[2], c2[3], c2[5], c2[6]], group=0)
+    ops.describe(1, "full_attention", 64, None)
+    ops.store("l1", [c2[3]], group=1)
+    ops.settings(BS, 0, 1)
+    ops.lookahead(2)
+    assert store.apply_batch("10.0.7.1", gen, 0, 0, ops).status == "applied"
+    (score,) = ask(client(store, CountingHasher(V034), ApiSettings(hash=V034)), ["10.0.7.1"])
+    assert (score["l1_hit_tokens"], score["l1_hit_ratio"], score["l1_exact"]) == (64, 0.5, True)
