@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
+from common.event_types import MAX_LOOKAHEAD
 
 # Every allowed choice of the config file, written once: the loader checks a value against its
 # field's Literal (``_convert``), the settings and the chart's values.schema.json read the same
@@ -101,6 +102,9 @@ class BlockKey:
     prefix_caching_hash_algo: HashAlgo = "sha256_cbor"
     use_int_block_hashes: bool = True
     vllm_version: str = "0.28.0"
+    hash_lookahead_tokens: int = 0
+    """vLLM's ``num_hash_lookahead_tokens`` (EAGLE/MTP speculative decoding, >= 0.33) for
+    instances whose events have not shown theirs yet; an instance's events override it."""
 
 
 @dataclass
@@ -479,6 +483,7 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
     _check_token_counts(cfg, problems)
     if cfg.ingest.l1.hash_check_rate < 0:
         problems.append("ingest.l1.hashCheckRate: must be >= 0 (0 = off)")
+    _check_lookahead(cfg.block_key, problems)
     if cfg.ingest.l3.poll_interval <= 0:
         problems.append("ingest.l3.pollInterval: must be > 0")
     if cfg.metrics.liveness_timeout <= 0:
@@ -511,6 +516,22 @@ def _sentinel_from_env(s: RedisSentinel, env: dict[str, str]) -> None:
         s.addresses = [a.strip() for a in addresses if a.strip()]
     s.master_name = env.get("CACHE_INDEXER_REDIS_SENTINEL_MASTER_NAME") or s.master_name
     s.password = env.get("CACHE_INDEXER_REDIS_SENTINEL_PASSWORD") or s.password
+
+
+def _check_lookahead(bk: BlockKey, problems: list[str]) -> None:
+    lookahead, where = bk.hash_lookahead_tokens, "blockKey.hashLookaheadTokens"
+    if not 0 <= lookahead <= MAX_LOOKAHEAD:
+        problems.append(f"{where}: must be 0 (none) to {MAX_LOOKAHEAD} tokens, got {lookahead}")
+    elif lookahead and _version_tuple(bk.vllm_version) < (0, 33):
+        problems.append(f"{where}: vLLM hashes lookahead tokens from 0.33 on (vllmVersion)")
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
 def _check_redis(r: Redis, problems: list[str]) -> None:

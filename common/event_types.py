@@ -7,7 +7,8 @@ newer releases with one type: every field after ``block_size`` defaults to None 
 ``lora_id``, ``medium`` and ``lora_name`` without a default, and releases before 0.14 lack
 some of them), and the wire types carry the checks vLLM's writer guarantees but a reader must
 not assume: hashes are uint64 or 16n-byte digests, counts are never negative, ``extra_keys``
-nests only arrays of scalars. msgspec never takes a bool for an int.
+nests only arrays of scalars, ``lookahead_token_ids`` lists all have one length (the
+instance's L, spec vllm-extra-keys.md §5). msgspec never takes a bool for an int.
 
 :data:`STORED_FIELDS` / :data:`REMOVED_FIELDS` say which release first declared each field
 (spec vllm-kv-events.md §2.3); the encoder builds each release's Structs from them, and
@@ -66,6 +67,8 @@ class BlockStored(KVCacheEvent):
             _check_digests([self.parent_block_hash])
         if self.extra_keys is not None:
             _check_extra_keys(self.extra_keys)
+        if self.lookahead_token_ids is not None:
+            _check_lookahead(self.lookahead_token_ids)
 
 
 class BlockRemoved(KVCacheEvent):
@@ -105,6 +108,22 @@ def _check_extra_keys(entries: list[list[Any] | None]) -> None:
                 stack.append(item)
             elif type(item) not in _EXTRA_KEY_LEAVES:
                 raise ValueError(f"extra_keys holds {type(item).__name__}: expected arrays")
+
+
+MAX_LOOKAHEAD = 64
+"""The longest lookahead accepted (vLLM's L is 1, or ``num_speculative_tokens`` for
+multi-module MTP: a handful); a longer one is a malformed event."""
+
+
+def _check_lookahead(lists: list[list[int]]) -> None:
+    """One L for the whole event: vLLM hashes every block of an engine with the same number
+    of lookahead tokens, so lists of different lengths cannot be told apart from a bad
+    writer (and would leave the instance's L undefined)."""
+    lengths = {len(tokens) for tokens in lists}
+    if len(lengths) > 1:
+        raise ValueError("lookahead_token_ids lists of different lengths")
+    if lengths and max(lengths) > MAX_LOOKAHEAD:
+        raise ValueError(f"lookahead_token_ids of {max(lengths)} tokens, over {MAX_LOOKAHEAD}")
 
 
 @dataclass(slots=True)

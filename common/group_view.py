@@ -4,10 +4,12 @@ for the API's hit rule and the operator's status view.
 The L1 ingester writes one field per group, ``<g>`` → ``kind,B,w,bmin`` (kind ``-`` when the
 engine sends none, window empty when it has none, ``B`` the largest and ``bmin`` the smallest
 block size seen: partial entries carry ``h``), and its settings ``h_cfg``, ``chunk`` and
-``dp`` (:mod:`common.store_lua`, ``APPLY_BATCH``). :func:`parse_groups` turns that into a
-:class:`Groups`: **single** (no group, or one full-attention-family group 0: the contract's
-longest-prefix rule, exactly as before groups existed) or **hybrid** (vLLM's rule,
-:mod:`common.hit_rule`, with the reasons it can only be a lower bound).
+``dp`` (:mod:`common.store_lua`, ``APPLY_BATCH``), and ``la``: the engine's
+speculative-decoding lookahead L as its GPU ``BlockStored`` events show it
+(:func:`lookahead`). :func:`parse_groups` turns that into a :class:`Groups`: **single** (no
+group, or one full-attention-family group 0: the contract's longest-prefix rule, exactly as
+before groups existed) or **hybrid** (vLLM's rule, :mod:`common.hit_rule`, with the reasons
+it can only be a lower bound).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from common import hit_rule
+from common.event_types import MAX_LOOKAHEAD
 from common.hit_rule import GroupSpec, Rule
 
 SINGLE_KINDS = frozenset({"-", *hit_rule.FULL_ATTENTION_KINDS})
@@ -108,6 +111,26 @@ def _int(value: str | None) -> int:
         return int(value or 0)
     except ValueError:
         return 0
+
+
+LOOKAHEAD_FIELD = "la"
+"""The descriptor field holding the lookahead L learned from the events."""
+
+
+def lookahead(fields: dict[str, str], default: int) -> tuple[int, bool]:
+    """(L, learned): the lookahead the instance's hashes cover (spec vllm-extra-keys.md §5),
+    as its events showed it, else ``default`` (``blockKey.hashLookaheadTokens``). The decoder
+    admits at most :data:`MAX_LOOKAHEAD` tokens; any other stored value is not one it wrote."""
+    value = fields.get(LOOKAHEAD_FIELD)
+    if value is not None and value.isdigit() and int(value) <= MAX_LOOKAHEAD:
+        return int(value), True
+    return default, False
+
+
+def describe_lookahead(fields: dict[str, str], default: int) -> dict[str, object]:
+    """The lookahead part of an instance's status: L and where it comes from."""
+    tokens, learned = lookahead(fields, default)
+    return {"lookahead_tokens": tokens, "lookahead_source": "events" if learned else "config"}
 
 
 def describe(groups: Groups, hash_check: str | None) -> dict[str, object]:

@@ -20,7 +20,7 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:{ip}:l1:copies            | HASH   | L1 ingester       | tools                    | sparse per-rank copy counts (encoding: :mod:`common.store_lua`, "Copies") |
 | ci:{ip}:l2 (…:copies)        | as l1  | L1 ingester       | tools                    | same, for non-GPU media in the event stream (CPU / STORAGE offload) |
 | ci:{ip}:l1:g<g> (…:copies)   | as l1  | L1 ingester       | API (SMISMEMBER)         | KV-cache group g ≥ 1 of a hybrid model (group 0 is ci:{ip}:l1); same for l2 |
-| ci:{ip}:l1:groups            | HASH   | L1 ingester       | API, tools               | per generation: each group's descriptor and the ingester's settings (format: :mod:`common.group_view`); exists whenever an l1/l2 set does |
+| ci:{ip}:l1:groups            | HASH   | L1 ingester       | API, tools               | per generation: each group's descriptor, the ingester's settings and the engine's lookahead L (format: :mod:`common.group_view`); exists whenever an l1/l2 set does |
 | ci:{ip}:l1:cnt, …:l1:r<rank> | HASH   | (legacy layout)   | –                        | before the copies hash; found by the scripts, dropped, instance re-synced |
 | ci:{ip}:l1:state             | HASH   | L1 ingester       | L1 ingester, API, tools  | the ranks' cursors (``common.store.StoredCursor``), gap counts and the store's reset reason (:mod:`common.store_lua`); the ingester's status (fields: ``services/l1_ingest/status.py``) |
 | ci:{ip}:l1:owner             | STRING | L1 ingester       | store scripts, API       | lease (PX): id of the ingester that may write this instance |

@@ -12,7 +12,8 @@ section. Every object is a frozen dataclass built by its ``from_config`` classme
 * :class:`L1IngestSettings`: ``ingest.l1.*`` and ``blockKey.*`` (the hash self-check);
 * :class:`L3PollerSettings`: ``ingest.l3.*`` and ``discovery.segmentsFetchTimeout``;
 * :class:`ProberSettings` (``cache-indexer audit-probe``): ``audit.probe.*``;
-* :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`),
+* :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`;
+  ``hashLookaheadTokens`` beside it),
   ``ingest.l1.noEventsAfter``/``leaseTTL`` (the instance states it reports), ``log.level``
   (gunicorn's own log level) and ``audit.*`` (the prediction audit).
 
@@ -224,6 +225,8 @@ class ApiSettings:
     max_hit_rate_body_bytes: int = _HTTP.max_hit_rate_body_bytes
     max_candidates: int = _HTTP.max_candidates
     hash: HashSettings = HashSettings()
+    hash_lookahead: int = Config().block_key.hash_lookahead_tokens
+    """L of instances whose events have not said theirs (``blockKey.hashLookaheadTokens``)."""
     instance_limits: Limits = Limits()
     """What ``GET /kv-cache/instances`` judges the ingesters' reports by."""
     log_level: str = Config().log.level
@@ -248,6 +251,7 @@ class ApiSettings:
             max_hit_rate_body_bytes=h.max_hit_rate_body_bytes,
             max_candidates=h.max_candidates,
             hash=hash_settings(cfg),
+            hash_lookahead=cfg.block_key.hash_lookahead_tokens,
             instance_limits=instance_limits(cfg),
             log_level=cfg.log.level,
             audit=cfg.audit,
@@ -308,4 +312,5 @@ def instance_limits(cfg: Config) -> Limits:
         no_events_after=float(l1.no_events_after),
         lease_ttl=float(l1.lease_ttl),
         vllm_version=hash_settings(cfg).vllm_version,
+        lookahead=cfg.block_key.hash_lookahead_tokens,
     )

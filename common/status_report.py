@@ -8,7 +8,8 @@ an operator: the table in docs/api.md).
 
 ``groups`` describes the instance's KV-cache groups (:func:`common.group_view.describe`):
 their kinds and block sizes, the hash unit, and ``exact``: false, with the reasons, where the
-hit ratio of a hybrid model can only be a lower bound.
+hit ratio of a hybrid model can only be a lower bound; and the speculative-decoding lookahead
+L the instance's hashes cover (:func:`common.group_view.describe_lookahead`).
 
 Ages are computed against Redis ``TIME``; ``*_ms`` stamps are the writers' wall clocks.
 """
@@ -82,6 +83,8 @@ class Limits:
     no_events_after: float = float(IngestL1().no_events_after)
     lease_ttl: float = float(IngestL1().lease_ttl)
     vllm_version: tuple[int, ...] = tuple(map(int, BlockKey().vllm_version.split(".")))
+    lookahead: int = BlockKey().hash_lookahead_tokens
+    """L of instances whose events have not said theirs (``blockKey.hashLookaheadTokens``)."""
 
 
 def build_report(raw: Raw, limits: Limits) -> dict[str, Any]:
@@ -117,10 +120,13 @@ def _instance(ip: str, parts: dict[str, Any], raw: Raw, limits: Limits) -> dict[
             "lifetime_detail": l1.get("lifetime_detail") or None,
             "lifetime_age_s": _age(l1.get("lifetime_ms"), raw.now_ms),
         },
-        "groups": group_view.describe(
-            group_view.parse_groups(parts.get("groups") or {}, limits.vllm_version),
-            l1.get("hash_check"),
-        ),
+        "groups": {
+            **group_view.describe(
+                group_view.parse_groups(parts.get("groups") or {}, limits.vllm_version),
+                l1.get("hash_check"),
+            ),
+            **group_view.describe_lookahead(parts.get("groups") or {}, limits.lookahead),
+        },
         "l3": {
             "blocks": _int(l3.get("blocks")) if l3 else None,
             "age_s": _age(l3.get("updated_ms"), raw.now_ms),

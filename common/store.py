@@ -144,8 +144,9 @@ Op = tuple[str, str, int, list[Any]]
 class TierOps:
     """The writes of one ZMQ batch for one rank, in event order: (op, tier, group, values).
 
-    ``describe`` records a group's descriptor as a ``BlockStored`` carries it and ``settings``
-    the ingester's per-instance settings; the store checks and writes both before any hash.
+    ``describe`` records a group's descriptor as a ``BlockStored`` carries it, ``settings``
+    the ingester's per-instance settings and ``lookahead`` the engine's lookahead L; the store
+    checks and writes them before any hash.
     """
 
     ops: list[Op] = field(default_factory=list)
@@ -166,6 +167,11 @@ class TierOps:
 
     def settings(self, hash_unit: int, chunk: int, dp_size: int) -> None:
         self.ops.append(("H", "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
+
+    def lookahead(self, tokens: int) -> None:
+        """The instance's speculative-decoding lookahead L as its events show it (spec
+        vllm-extra-keys.md §5); a different L than the one stored resets the instance."""
+        self.ops.append(("A", "", 0, [int(tokens)]))
 
     def argv(self) -> list[str | int]:
         out: list[str | int] = []
@@ -510,6 +516,11 @@ class Store:
 _SMIS, _HGETALL, _HGET = "SMISMEMBER", "HGETALL", "HGET"
 
 
+def encode_members(members: Sequence[bytes]) -> bytes:
+    """Members as the RESP bulk strings of a command's arguments."""
+    return b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
+
+
 @dataclass
 class MemberBlob:
     """Members of SMISMEMBER commands, encoded once per request and shared by every set."""
@@ -525,9 +536,11 @@ class Reads:
     cmds: list[tuple[str, str, Any]] = field(default_factory=list)
     blobs: list[MemberBlob] = field(default_factory=list)
 
-    def members(self, members: Sequence[bytes]) -> int:
-        """Register members for SMISMEMBER; returns the handle to pass to it."""
-        encoded = b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
+    def members(self, members: Sequence[bytes], encoded: bytes | None = None) -> int:
+        """Register members for SMISMEMBER; returns the handle to pass to it. ``encoded``:
+        the members as RESP bulk strings (:func:`encode_members`), when the caller has them."""
+        if encoded is None:
+            encoded = encode_members(members)
         self.blobs.append(MemberBlob(members, encoded))
         return len(self.blobs) - 1
 

@@ -318,10 +318,12 @@ APPLY_BATCH = (
 -- (op S = stored, R = removed: n hashes; C = all cleared, n = 0, every group;
 -- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
 -- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
--- (0 = derive), chunk (0 = unknown), dp size).
+-- (0 = derive), chunk (0 = unknown), dp size; A = the engine's speculative-decoding
+-- lookahead L as a GPU BlockStored shows it: n = 1, field 'la').
 -- Returns APPLY_BATCH_REPLY: {status, unknown_removes}; status 1
 -- applied, 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
--- changed (the instance was reset: new generation, reset_reason in the state hash), -4 the
+-- or the lookahead L changed (the instance was reset: new generation, reset_reason in the
+-- state hash), -4 the
 -- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
 -- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
 if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0} end
@@ -364,6 +366,16 @@ while i <= #ARGV do
     learned[g] = string.format('%s,%d,%s,%d', ck, cb, cw, cm)
   elseif op == 'H' then
     learned['h_cfg'], learned['chunk'], learned['dp'] = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
+  elseif op == 'A' then
+    -- Hashes made with another L never equal this engine's: a new L within a generation is
+    -- another engine configuration, so reset rather than keep blocks no chain can match.
+    local cur = learned['la'] or redis.call('HGET', K.l1_groups, 'la')
+    if cur and cur ~= ARGV[i + 4] then
+      reset_instance(string.format(
+        'the speculative-decoding lookahead changed from %s to %s tokens', cur, ARGV[i + 4]))
+      return {-3, 0}
+    end
+    learned['la'] = ARGV[i + 4]
   elseif op == 'S' and not learned[g] then  -- a set never exists without its group's field
     learned[g] = redis.call('HGET', K.l1_groups, g) or '-,0,,0'
   end

@@ -75,6 +75,8 @@ fi
 
 # The real vLLM engine's own venv (tests/integration/test_real_vllm_engine.py), outside the tree.
 scripts/setup_vllm_engine.sh
+# vLLM 0.33/0.34's own KV-event publisher module (tests/integration/test_lookahead_vllm_publisher.py).
+scripts/setup_vllm_kv_events.sh
 
 # Check the result: every tool and module the suite needs is there now.
 missing=()
@@ -84,6 +86,10 @@ for tool in redis-server redis-sentinel ip unshare openssl mooncake_master cache
 done
 VLLM_ENGINE_PY="${VLLM_ENGINE_VENV:-/var/tmp/cache-indexer-vllm-engine-0.32.0}/bin/python"
 [ -x "$VLLM_ENGINE_PY" ] || missing+=("$VLLM_ENGINE_PY")
+for release in 0.33.0 0.34.0; do
+  kv_events="${VLLM_KV_EVENTS_DIR:-/var/tmp/cache-indexer-vllm-kv-events}/$release/kv_events.py"
+  [ -s "$kv_events" ] || missing+=("$kv_events")
+done
 # shellcheck disable=SC2207,SC2086 # module names have no spaces
 missing+=($(missing_modules $MODULES helm_python grafana_foundation_sdk))
 if [ ${#missing[@]} -gt 0 ]; then

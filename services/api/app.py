@@ -175,6 +175,7 @@ def create_app(
             settings.max_candidates,
             settings.hash.vllm_version,
             recorder,
+            settings.hash_lookahead,
         ),
     )
     app.add_route(audit_outcome.PATH, audit_outcome.OutcomeResource(store.r, audit, metrics))

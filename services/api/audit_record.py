@@ -83,20 +83,29 @@ hits, block 0's member key, the member keys where predictions stop (by block ind
 per hybrid candidate, group 0's member key of the block after its prediction."""
 
 
-def hybrid_stops(hits: _Hits, views: ViewCache, chain: Chain) -> dict[str, bytes]:
+def hybrid_stops(hits: _Hits, views: ViewCache, chain: Chain, block_size: int) -> dict[str, bytes]:
     """Per hybrid candidate, the member key (at its hash unit) of group 0's block right after
     its predicted hit: what the outcome's "does the index now hold it" check reads in
-    ``ci:{ip}:l1`` / ``ci:{ip}:l3`` (group 0's sets). Single-group candidates: none (their
-    block at the request's block size is in the record's ``k``)."""
+    ``ci:{ip}:l1`` / ``ci:{ip}:l3`` (group 0's sets). The same for a single-group candidate
+    whose blocks are hashed with speculative-decoding lookahead (its own chain at the
+    question's ``block_size``, L > 0).
+    Other single-group candidates: none (their block at the request's block size is in the
+    record's ``k``)."""
     out: dict[str, bytes] = {}
     for ip, (l1, l3) in hits.items():
         view = views.get(ip)
-        if view.rule is None or 0 not in view.l1_groups:
+        hit = max(l1.tokens, l3.tokens)
+        if view.rule is None:
+            if not view.lookahead:
+                continue
+            unit, idx = block_size, hit // block_size
+        elif 0 in view.l1_groups:
+            unit = view.rule.hash_unit
+            b0 = view.rule.groups[view.l1_groups.index(0)].block_size
+            idx = (hit + b0) // unit - 1
+        else:
             continue
-        unit = view.rule.hash_unit
-        b0 = view.rule.groups[view.l1_groups.index(0)].block_size
-        idx = (max(l1.tokens, l3.tokens) + b0) // unit - 1
-        members = chain(unit)
+        members = chain(unit, view.lookahead)
         if idx < len(members):
             out[ip] = members[idx]
     return out

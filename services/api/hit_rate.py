@@ -4,8 +4,9 @@ The contract (original-contract.md §1) in short: one score per ``server_ip`` in
 duplicates kept; ``n = len(token_ids) // block_size`` full blocks; a ratio is the
 instance's hit in a tier divided by ``n``, the hit being vLLM's rule as
 :mod:`services.api.scoring` applies it (the longest run from block 0 for a single-group
-model). A request's Redis reads are one pipelined round trip, plus one more only for
-candidates whose group descriptors changed meanwhile (:mod:`services.api.scoring`). Every
+model). A request's Redis reads are one or two pipelined round trips as the read plan
+needs them (:mod:`services.api.read_plan`), a candidate whose group descriptors changed
+meanwhile starting over in the next one (:mod:`services.api.scoring`). Every
 failure is a :class:`~common.errors.RequestError` whose status is both the HTTP status and
 the body's ``status``; :mod:`services.api.app` renders it.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import falcon
@@ -251,26 +252,28 @@ def score(
     """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
 
-    The prompt is hashed once per distinct hash unit among the candidates (the request's
-    block size for single-group instances); the reads are one pipelined round trip, plus
-    one for the candidates whose KV-cache groups changed since this worker last saw them
-    (:mod:`services.api.scoring`). ``on_hits`` gets every distinct candidate's hits, the
-    prompt's chains and the candidates' views (the audit's record)."""
+    The prompt is hashed once per distinct hash unit and lookahead L among the candidates
+    (the request's block size for single-group instances); the reads are the read plan's one
+    or two pipelined round trips (:mod:`services.api.read_plan`), the candidates whose
+    KV-cache groups changed since this worker last saw them starting over in the next one.
+    ``on_hits`` gets every distinct candidate's hits, the prompt's chains and the candidates'
+    views (the audit's record)."""
     views = views if views is not None else ViewCache()
-    chains: dict[int, Sequence[bytes]] = {}
-    # LoRA and items only when given: a plain request calls the hasher exactly as before
-    extra = {} if request.inputs is PLAIN else {"inputs": request.inputs}
+    chains: dict[tuple[int, int], Sequence[bytes]] = {}
 
-    def chain(unit: int) -> Sequence[bytes]:
-        if unit not in chains:  # hashes every full unit, range-checks every id
-            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt, **extra)
-            metrics.hashed_blocks.inc(len(chains[unit]))
-        return chains[unit]
+    def chain(unit: int, lookahead: int = 0) -> Sequence[bytes]:
+        if (unit, lookahead) not in chains:  # hashes every full unit, range-checks every id
+            try:
+                keys = _member_keys(hasher, request, unit, lookahead)
+            except ValueError as exc:  # a negative id, or one wider than the vLLM's ids
+                raise RequestError(
+                    400, f"body.token_ids cannot be hashed for vLLM: {exc}"
+                ) from None
+            chains[unit, lookahead] = keys
+            metrics.hashed_blocks.inc(len(keys))
+        return chains[unit, lookahead]
 
-    try:
-        chain(request.block_size)
-    except ValueError as exc:  # a negative id, or one wider than the configured vLLM's ids
-        raise RequestError(400, f"body.token_ids cannot be hashed for vLLM: {exc}") from None
+    chain(request.block_size, views.empty.lookahead)  # every id checked before any read
     distinct = list(dict.fromkeys(request.server_ips))
     n_tokens = len(request.token_ids)
     if n_tokens < request.block_size:  # no full block: nothing to read
@@ -300,6 +303,18 @@ def score(
     return [_answer(ip, *hits[ip], detail) for ip in request.server_ips]
 
 
+def _member_keys(hasher: Hasher, request: HitRateRequest, unit: int, lookahead: int) -> list[bytes]:
+    """The request's chain at ``unit``, each block hashed with the ``lookahead`` tokens after
+    it (spec vllm-extra-keys.md §5; 0 = vLLM's plain chain). LoRA, items and lookahead only
+    when there are some: a plain request calls the hasher exactly as before."""
+    inputs = request.inputs
+    if lookahead:
+        inputs = replace(inputs, lookahead=lookahead)
+    if inputs is PLAIN:
+        return hasher.member_keys(request.token_ids, unit, request.cache_salt)
+    return hasher.member_keys(request.token_ids, unit, request.cache_salt, inputs=inputs)
+
+
 def _read_hits(
     ips: list[str],
     scorer: Scorer,
@@ -307,27 +322,23 @@ def _read_hits(
     vllm_version: tuple[int, ...],
     metrics: ApiMetrics,
 ) -> dict[str, tuple[Hit, Hit]]:
-    """Round trip 1 with every candidate's cached view; a second for the changed ones."""
+    """Round 1 with every candidate's cached view and its descriptors; a candidate whose
+    descriptors changed starts over with its new view in the next round trip, together
+    with the reads the others still need (:mod:`services.api.read_plan`)."""
     old = {ip: views.get(ip) for ip in ips}
-    slots = {ip: scorer.queue(ip, old[ip]) for ip in ips}
-    replies = scorer.store_execute()
-    out, changed = {}, {}
+    first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
+    scorer.execute()
+    changed = 0
     for ip in ips:
-        s = slots[ip]
-        if raw_of(replies[s.groups], replies[s.l3_groups]) == old[ip].raw:
-            out[ip] = scorer.evaluate(old[ip], s, replies)
-        else:
-            fresh = parse_view(replies[s.groups], replies[s.l3_groups], vllm_version)
+        fields, l3_groups = first[ip].descriptors
+        if raw_of(fields, l3_groups) != old[ip].raw:
+            fresh = parse_view(fields, l3_groups, vllm_version, views.empty.lookahead)
             views.put(ip, fresh)
-            changed[ip] = fresh
+            scorer.queue(ip, fresh, descriptors=False)
+            changed += 1
     if changed:
-        metrics.group_rereads.inc(len(changed))
-        again = scorer.fresh()
-        slots2 = {ip: again.queue(ip, view, descriptors=False) for ip, view in changed.items()}
-        replies2 = again.store_execute()
-        for ip, view in changed.items():
-            out[ip] = again.evaluate(view, slots2[ip], replies2)
-    return out
+        metrics.group_rereads.inc(changed)
+    return scorer.finish()
 
 
 def _answer(ip: str, l1: Hit, l3: Hit, detail: bool) -> dict[str, Any]:
@@ -364,12 +375,14 @@ class HitRateResource:
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
         vllm_version: tuple[int, ...] = (0, 28, 0),
         recorder: Recorder | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
         self.recorder = recorder
         self.body_limit, self.max_candidates = body_limit, max_candidates
         self.vllm_version = vllm_version
-        self.views = ViewCache()
+        self.views = ViewCache(lookahead=lookahead)
+        """Views by instance; ``lookahead`` is the L of those whose events showed none."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_request(
@@ -410,8 +423,8 @@ class HitRateResource:
                 request.block_size,
                 request.cache_salt is not None,
                 hits,
-                chain(request.block_size),
-                hybrid_stops(hits, views, chain),
+                chain(request.block_size, 0),
+                hybrid_stops(hits, views, chain, request.block_size),
             )
 
         return record

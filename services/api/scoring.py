@@ -3,13 +3,20 @@
 An instance's KV-cache groups are what the L1 ingester learned from its events
 (``ci:{ip}:l1:groups``, :mod:`common.keys`); the L3 poller's ``groups`` field says which
 group sets Mooncake holds. :func:`parse_view` turns both into a :class:`View`: a
-**single-group** view (no descriptor, or one full-attention-family group 0) reads exactly
-what the contract's rule needs — one SMISMEMBER of the request's blocks per tier — and
-answers the longest run from block 0 as before; a **hybrid** view reads each group's set
-at the positions :func:`common.hit_rule.probe_indices` names and answers
-:func:`common.hit_rule.hit_tokens`. Views are cached per instance (:class:`ViewCache`);
-every round trip also re-reads the descriptors, and a candidate whose descriptors changed
-is read again with its new view in a second round trip (at most one per request).
+**single-group** view (no descriptor, or one full-attention-family group 0) may read the
+request's blocks per tier and answers the longest run from block 0 as before; a **hybrid**
+view may read each group's set at the positions :func:`common.hit_rule.probe_indices`
+names and answers :func:`common.hit_rule.hit_tokens`. Which of those are read, round by
+round, until the answer is proven: :mod:`services.api.read_plan` (:class:`Scorer` runs the
+rounds). Views are cached per instance (:class:`ViewCache`); the first round trip also
+re-reads the descriptors, and a candidate whose descriptors changed starts over with its
+new view in the next round trip.
+
+**Lookahead.** An instance running EAGLE/MTP speculative decoding on vLLM >= 0.33 hashes each
+block with the L tokens after it (spec vllm-extra-keys.md §5): :attr:`View.lookahead` is its L
+(learned from its events, else ``blockKey.hashLookaheadTokens``) and its reads, L1 and L3 alike,
+use the chain for (unit, L), which has only the blocks L tokens follow; so candidates with
+different L in one request each get their own chain, hashed once per distinct L.
 
 An answer is exact or a lower bound, never above what vLLM reuses; :attr:`View.reasons`
 says why one is only a lower bound (``docs/design.md``, "KV-cache groups").
@@ -18,17 +25,20 @@ says why one is only a lower bound (``docs/design.md``, "KV-cache groups").
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from common import hit_rule, keys
 from common.group_view import UNCONFIRMED_UNIT, parse_groups
+from common.group_view import lookahead as lookahead_of
 from common.hit_rule import Rule
 from common.store import Reads
+from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
-Chain = Callable[[int], Sequence[bytes]]
-"""Hash unit → the prompt's member keys at that unit (hashed once per unit and request)."""
+Chain = Callable[[int, int], Sequence[bytes]]
+"""(hash unit, lookahead L) → the prompt's member keys at that unit, each block hashed with
+the L tokens after it (once per distinct pair and request)."""
 
 
 class StoreReads(Protocol):
@@ -37,11 +47,16 @@ class StoreReads(Protocol):
     def execute(self, reads: Reads) -> list[Any]: ...
 
 
+LOOKAHEAD_SINCE = (0, 33, 0)
+"""The first vLLM release that hashes lookahead tokens."""
 CACHE_SIZE = 65_536
 """Instances whose view an API worker keeps."""
 
 L3_GROUPS_UNKNOWN = "l3_groups_unknown"
 """Mooncake holds groups the events never described: no rule can be run (answers 0)."""
+LOOKAHEAD_BEFORE_0_33 = "lookahead_needs_vllm_0_33"
+"""The events show a lookahead L > 0 but ``blockKey.vllmVersion`` is older than 0.33, the
+first release that hashes one: the chain cannot be known (answers 0)."""
 BLOCK_SIZE_DIFFERS = "request_block_size_differs"
 """A single-group instance whose block size is not the request's: nothing can match."""
 
@@ -62,6 +77,8 @@ class View:
     l3_reasons: tuple[str, ...] = ()
     check_unit: bool = False
     """A hybrid whose hash unit is derived: exact only once the self-check verified it."""
+    lookahead: int = 0
+    """L: the tokens after each block its hashes cover (0 = none)."""
 
 
 EMPTY = View(raw=((), "0"))
@@ -73,9 +90,24 @@ def raw_of(fields: dict[str, str], l3_groups: str | None) -> tuple[Any, str]:
 
 
 def parse_view(
+    fields: dict[str, str],
+    l3_groups: str | None,
+    vllm_version: tuple[int, ...],
+    lookahead: int = 0,
+) -> View:
+    """The view of an instance from its descriptor hash and its l3 ``groups`` field;
+    ``lookahead`` is the L of an instance whose events have not shown one."""
+    view = _parse_view(fields, l3_groups, vllm_version)
+    tokens, _ = lookahead_of(fields, lookahead)
+    if tokens and tuple(vllm_version) < LOOKAHEAD_SINCE:
+        why = (LOOKAHEAD_BEFORE_0_33,)
+        return View(view.raw, l1_groups=(), l3_groups=(), reasons=why, l3_reasons=why)
+    return replace(view, lookahead=tokens) if tokens else view
+
+
+def _parse_view(
     fields: dict[str, str], l3_groups: str | None, vllm_version: tuple[int, ...]
 ) -> View:
-    """The view of an instance from its descriptor hash and its l3 ``groups`` field."""
     raw = raw_of(fields, l3_groups)
     l3_ids = tuple(sorted({int(g) for g in raw[1].split(",") if g.isdigit()})) or (0,)
     groups = parse_groups(fields, vllm_version)
@@ -105,12 +137,14 @@ def parse_view(
 class ViewCache:
     """Views by instance, least recently refreshed dropped first (bounded)."""
 
-    def __init__(self, size: int = CACHE_SIZE) -> None:
+    def __init__(self, size: int = CACHE_SIZE, lookahead: int = 0) -> None:
         self.size = size
         self._views: OrderedDict[str, View] = OrderedDict()
+        self.empty = replace(EMPTY, lookahead=lookahead)
+        """An instance with no descriptors: the configured L (``blockKey.hashLookaheadTokens``)."""
 
     def get(self, ip: str) -> View:
-        return self._views.get(ip, EMPTY)
+        return self._views.get(ip, self.empty)
 
     def put(self, ip: str, view: View) -> None:
         self._views[ip] = view
@@ -128,19 +162,28 @@ class Hit:
     reasons: tuple[str, ...] = ()
 
 
-@dataclass
-class Slots:
-    """Where one candidate's replies are in the round trip."""
+class Candidate:
+    """One candidate of a request: its view, descriptors as read, and both tiers' reads."""
 
-    groups: int
-    l3_groups: int
-    hash_check: int | None
-    l1: list[tuple[int, Sequence[int]]] = field(default_factory=list)
-    l3: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    __slots__ = ("view", "l1", "l3", "fields", "l3_field", "hash_check", "waiting", "answers")
+
+    def __init__(self, view: View, l1: Tier | None, l3: Tier | None) -> None:
+        self.view, self.l1, self.l3 = view, l1, l3
+        self.fields: dict[str, str] = {}
+        self.l3_field: str | None = None
+        self.hash_check: str | None = None
+        self.waiting = True
+        """Reads queued for the next round trip (no further reads planned until they land)."""
+        self.answers: list[int | None] = [None, None]
+
+    @property
+    def descriptors(self) -> tuple[dict[str, str], str | None]:
+        return self.fields, self.l3_field
 
 
 class Scorer:
-    """The hits of every candidate of one request (see the module docstring)."""
+    """The hits of every candidate of one request, read round by round as
+    :mod:`services.api.read_plan` plans (see the module docstring)."""
 
     def __init__(
         self, num_tokens: int, block_size: int, chain: Chain, store: StoreReads | None = None
@@ -148,102 +191,130 @@ class Scorer:
         self.num_tokens, self.block_size, self.chain = num_tokens, block_size, chain
         self.store = store
         self.n = num_tokens // block_size
-        self._blobs: dict[tuple[int, Any], int] = {}
-        self.reads = Reads()
+        self.candidates: dict[str, Candidate] = {}
+        self.round_trips = 0
+        self._encoded: dict[Hashable, list[bytes]] = {}
+        self._chains: dict[tuple[int, int], tuple[Hashable, Sequence[bytes]]] = {}
+        self._round = Round(self._encoded)
 
-    def fresh(self) -> Scorer:
-        """A scorer for a further round trip of the same request (same hash chains)."""
-        return Scorer(self.num_tokens, self.block_size, self.chain, self.store)
-
-    def store_execute(self) -> list[Any]:
-        assert self.store is not None
-        return self.store.execute(self.reads)
-
-    def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Slots:
-        """Queue the candidate's reads for ``view`` (and its descriptors, to check it)."""
-        r = self.reads
-        slots = Slots(
-            r.hgetall(keys.l1_groups(ip)) if descriptors else -1,
-            r.hget(keys.l3_state(ip), "groups") if descriptors else -1,
-            r.hget(keys.l1_state(ip), "hash_check") if view.check_unit else None,
-        )
-        if view.rule is None:
-            if self.n:
-                blob = self._blob(self.block_size, range(self.n))
-                slots.l1.append((r.smismember(keys.tier_set(ip, "l1"), blob), range(self.n)))
-                if view.l3_groups:
-                    slots.l3.append((r.smismember(keys.l3_set(ip), blob), range(self.n)))
-            return slots
-        rule, unit = view.rule, view.rule.hash_unit
-        for pos, gid in enumerate(view.l1_groups):
-            idx = hit_rule.probe_indices(rule, pos, self.num_tokens)
-            if not len(idx):
-                slots.l1.append((-1, idx))
-                slots.l3.append((-1, idx))
-                continue
-            blob = self._blob(unit, idx)
-            slots.l1.append((r.smismember(keys.tier_group_set(ip, "l1", gid), blob), idx))
-            if view.l3_groups:
-                slots.l3.append((r.smismember(keys.l3_group_set(ip, gid), blob), idx))
-        return slots
-
-    def _blob(self, unit: int, idx: Sequence[int]) -> int:
-        key = (unit, (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tuple(idx))
-        found = self._blobs.get(key)
+    def _chain(self, view: View) -> tuple[Hashable, Sequence[bytes]]:
+        """The prompt's member keys as this candidate's sets hold them, with a name that is
+        the same for every candidate sharing the chain (hashed once per request): the chain
+        of its hash unit and lookahead L (with L > 0 only the blocks L tokens follow)."""
+        unit = view.rule.hash_unit if view.rule is not None else self.block_size
+        key = (unit, view.lookahead)
+        found = self._chains.get(key)
         if found is None:
-            members = self.chain(unit)
-            picked = (
-                members[: len(idx)]
-                if isinstance(idx, range) and idx.start == 0 and idx.step == 1
-                else [members[i] for i in idx]
-            )
-            found = self._blobs[key] = self.reads.members(picked)
+            found = self._chains[key] = (key, self.chain(unit, view.lookahead))
         return found
 
-    def evaluate(self, view: View, slots: Slots, replies: list[Any]) -> tuple[Hit, Hit]:
-        """The (L1, L3) hits of one candidate from its replies."""
+    def queue(self, ip: str, view: View, *, descriptors: bool = True) -> Candidate:
+        """Queue the candidate's first reads for ``view`` (and its descriptors, to check
+        it) in the next round trip; a candidate queued again starts over."""
+        c = Candidate(view, self._tier(ip, view, "l1"), self._tier(ip, view, "l3"))
+        r = self._round
+        if descriptors:
+            r.field(r.reads.hgetall(keys.l1_groups(ip)), c, "fields")
+            r.field(r.reads.hget(keys.l3_state(ip), "groups"), c, "l3_field")
+        if view.check_unit:
+            r.field(r.reads.hget(keys.l1_state(ip), "hash_check"), c, "hash_check")
+        for tier in (c.l1, c.l3):
+            if tier is not None:
+                for g, idx in tier.next_reads(first=True):
+                    r.probe(tier, g, idx)
+        self.candidates[ip] = c
+        return c
+
+    def execute(self) -> None:
+        """Send the queued reads in one pipelined round trip and record the replies."""
+        rnd, self._round = self._round, Round(self._encoded)
+        if rnd.handlers:
+            assert self.store is not None
+            rnd.deliver(self.store.execute(rnd.reads))
+            self.round_trips += 1
+        for c in self.candidates.values():
+            c.waiting = False
+
+    def finish(self) -> dict[str, tuple[Hit, Hit]]:
+        """Round trips until every candidate's answers are proven; their (L1, L3) hits."""
+        while True:
+            for c in self.candidates.values():
+                if not c.waiting:
+                    self._plan_next(c)
+            if not self._round.handlers:
+                break
+            self.execute()
+        return {ip: self.evaluate(c) for ip, c in self.candidates.items()}
+
+    def _plan_next(self, c: Candidate) -> None:
+        for t, tier in enumerate((c.l1, c.l3)):
+            if tier is None or c.answers[t] is not None:
+                continue
+            c.answers[t] = tier.answer()
+            if c.answers[t] is None:
+                for g, idx in tier.next_reads(first=False):
+                    self._round.probe(tier, g, idx)
+                c.waiting = True
+
+    def _tier(self, ip: str, view: View, tier: str) -> Tier | None:
+        readable = view.l1_groups if tier == "l1" else view.l3_groups
+        if not self.n or not readable:
+            return None
+        chain = self._chain(view)
+        hashed = len(chain[1])  # with lookahead L > 0 the last blocks have no hash
+        if view.rule is None:
+            if not min(self.n, hashed):
+                return None
+            key = keys.tier_set(ip, "l1") if tier == "l1" else keys.l3_set(ip)
+            return PrefixRead(key, min(self.n, hashed), chain)
+        rule, num_tokens = view.rule, self.num_tokens
+        if tier == "l1":
+            set_keys = [keys.tier_group_set(ip, "l1", g) for g in view.l1_groups]
+        else:
+            set_keys = [keys.l3_group_set(ip, g) for g in view.l1_groups]
+        probes: list[Sequence[int]] = [
+            _below(hit_rule.probe_indices(rule, pos, num_tokens), hashed)
+            for pos in range(len(set_keys))
+        ]
+        return TierRead(
+            set_keys,
+            probes,
+            num_tokens // rule.hash_unit,
+            lambda flags: hit_rule.hit_tokens(rule, num_tokens, flags),
+            lambda tokens: tokens // rule.hash_unit,
+            chain,
+        )
+
+    def evaluate(self, c: Candidate) -> tuple[Hit, Hit]:
+        """The (L1, L3) hits of one candidate from its proven answers."""
+        view = c.view
         extra: tuple[str, ...] = ()
-        if slots.hash_check is not None and replies[slots.hash_check] != "ok":
+        if view.check_unit and c.hash_check != "ok":
             extra = (UNCONFIRMED_UNIT,)
-        l1 = self._tier(view, slots.l1, replies, view.reasons + extra, bool(view.l1_groups))
-        l3 = self._tier(view, slots.l3, replies, view.l3_reasons + extra, bool(view.l3_groups))
+        l1 = self._hit(view, c.l1, c.answers[0], view.reasons + extra)
+        l3 = self._hit(view, c.l3, c.answers[1], view.l3_reasons + extra)
         return l1, l3
 
-    def _tier(
-        self,
-        view: View,
-        slots: list[tuple[int, Sequence[int]]],
-        replies: list[Any],
-        reasons: tuple[str, ...],
-        readable: bool,
+    def _hit(
+        self, view: View, tier: Tier | None, answer: int | None, reasons: tuple[str, ...]
     ) -> Hit:
         n, size = self.n, self.block_size
-        if not n or not readable or not slots:
+        if tier is None:
             return Hit(0, 0.0, reasons)
+        assert answer is not None  # finish() proved every answer
         if view.rule is None:
-            run = _run_length(replies[slots[0][0]])
             if view.block_size and view.block_size != size:
                 reasons += (BLOCK_SIZE_DIFFERS,)
-            return Hit(min(run, (self.num_tokens - 1) // size) * size, run / n, reasons)
-        m = self.num_tokens // view.rule.hash_unit
-        present: list[list[int]] = []
-        for slot, idx in slots:
-            if slot < 0:
-                present.append([0] * m)
-            elif isinstance(idx, range) and idx.start == 0 and idx.step == 1:
-                reply = replies[slot]  # the common case: every index from 0
-                present.append(reply + [0] * (m - len(reply)) if len(reply) < m else reply)
-            else:
-                flags = [0] * m
-                for i, f in zip(idx, replies[slot]):
-                    flags[i] = f
-                present.append(flags)
-        tokens = hit_rule.hit_tokens(view.rule, self.num_tokens, present)
-        return Hit(tokens, min(tokens, n * size) / (n * size), reasons)
+            return Hit(min(answer, (self.num_tokens - 1) // size) * size, answer / n, reasons)
+        return Hit(answer, min(answer, n * size) / (n * size), reasons)
 
 
-def _run_length(flags: list[int]) -> int:
-    try:
-        return flags.index(0)
-    except ValueError:
-        return len(flags)
+def _below(probes: Sequence[int], hashed: int) -> Sequence[int]:
+    """The probes the chain has a hash for (the others read as absent)."""
+    if isinstance(probes, range):
+        return range(probes.start, min(probes.stop, hashed), probes.step)
+    return [i for i in probes if i < hashed]
+
+
+def _set_check(c: Candidate, value: str | None) -> None:
+    c.hash_check = value

@@ -12,6 +12,10 @@ Pure (no I/O), so every rule here is unit-tested directly:
     which the store checks and the hit rule (:mod:`common.hit_rule`) reads; group ids are
     never taken to mean a kind. Sparse stores (hashes for only the kept blocks, even none)
     are applied as they are: a hash names a prefix length, so it needs no position.
+  - **Lookahead.** A GPU ``BlockStored`` also says the engine's speculative-decoding
+    lookahead L (vLLM >= 0.33 with EAGLE/MTP: ``len(lookahead_token_ids[0])``; none sent =
+    0): :meth:`~common.store.TierOps.lookahead`, once per batch (its last such event). Other
+    media are not asked: a connector may leave the field out where the engine hashes with L.
   - **Placeholders** (``token_ids == []`` and ``block_size == 0``, emitted by connectors) are
     not indexed. ``AllBlocksCleared`` clears tier ``l1`` of the batch's rank only: it carries no
     medium and is only emitted by the GPU block pool's ``reset_prefix_cache``.
@@ -78,6 +82,8 @@ class Plan:
     other_media: Counter[str] = field(default_factory=Counter)
     hash_updates: Counter[str] = field(default_factory=Counter)
     described: set[tuple[int, str | None, int, int | None]] = field(default_factory=set)
+    lookahead: int | None = None
+    """The engine's lookahead L from the batch's last GPU ``BlockStored`` that shows it."""
 
 
 def plan_ops(batch: EventBatch, settings: GroupSettings | None = None) -> Plan:
@@ -89,6 +95,8 @@ def plan_ops(batch: EventBatch, settings: GroupSettings | None = None) -> Plan:
         plan.outcomes[(kind, outcome)] += 1
     if plan.described and settings is not None:
         plan.ops.settings(settings.hash_unit, settings.chunk, settings.dp_size)
+    if plan.lookahead is not None:
+        plan.ops.lookahead(plan.lookahead)
     for skipped in batch.skipped:
         plan.outcomes[("unknown", f"skipped:{skipped.reason}")] += 1
     return plan
@@ -106,6 +114,8 @@ def _plan_event(event: Event, plan: Plan) -> tuple[str, str]:
             return "BlockStored", "skipped:bad_group"
         _describe(plan, group, event)
         tier = _tier(plan, event.medium)
+        if tier == L1:
+            _learn_lookahead(plan, event.lookahead_token_ids)
         _add(plan, "S", tier, group, [hash_to_int(h) for h in event.block_hashes])
         return "BlockStored", tier
     assert isinstance(event, BlockRemoved)
@@ -125,6 +135,15 @@ def _describe(plan: Plan, group: int, event: BlockStored) -> None:
         plan.ops.describe(*desc)
 
 
+def _learn_lookahead(plan: Plan, lookahead: list[list[int]] | None) -> None:
+    """L = the length of a block's lookahead tokens; none sent = 0 (vLLM < 0.33 or no
+    lookahead). An empty list names no block, so says nothing."""
+    if lookahead is None:
+        plan.lookahead = 0
+    elif lookahead:
+        plan.lookahead = len(lookahead[0])
+
+
 def _tier(plan: Plan, medium: str | None) -> str:
     tier = tier_for_medium(medium)
     if tier != L1:
@@ -138,7 +157,7 @@ def _add(plan: Plan, op: str, tier: str, group: int, hashes: list[int]) -> None:
     plan.hash_updates[tier] += len(hashes)
     ops = plan.ops.ops
     for last in reversed(ops):
-        if last[0] in ("D", "H"):
+        if last[0] in ("D", "H", "A"):
             continue
         if last[0] == op and last[1] == tier and last[2] == group:
             last[3].extend(hashes)

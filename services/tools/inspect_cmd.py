@@ -135,7 +135,13 @@ _KIND_SHORT = {
 
 
 def _groups_cell(groups: dict[str, Any]) -> str:
-    """``1`` for a single-group model; else the groups' kinds, hash unit and exactness."""
+    """``1`` for a single-group model; else the groups' kinds, hash unit and exactness; then
+    ``L=<n>`` when the instance hashes with speculative-decoding lookahead."""
+    lookahead = groups.get("lookahead_tokens")
+    return _kinds_cell(groups) + (f" L={lookahead}" if lookahead else "")
+
+
+def _kinds_cell(groups: dict[str, Any]) -> str:
     if not groups.get("hybrid"):
         return "1"
     kinds = "+".join(

@@ -136,3 +136,5 @@ def test_a_hybrid_shows_its_groups_and_exactness() -> None:
     assert "SWA+MAMBA+FA h32 lower bound: unconfirmed_hash_unit" in text
     inst["groups"] = {"hybrid": False}
     assert " 1 " in inspect_cmd.render_table({"instances": [inst], "masters": []})
+    inst["groups"] = {"hybrid": False, "lookahead_tokens": 2, "lookahead_source": "events"}
+    assert " 1 L=2 " in inspect_cmd.render_table({"instances": [inst], "masters": []})

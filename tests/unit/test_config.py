@@ -105,6 +105,25 @@ def test_all_problems_are_reported_with_key_names(tmp_path: Path) -> None:
         assert part in text
 
 
+@pytest.mark.parametrize(
+    "block_key, problem",
+    [
+        ("{hashLookaheadTokens: -1}", "must be 0 (none) to 64 tokens, got -1"),
+        ("{hashLookaheadTokens: 65}", "must be 0 (none) to 64 tokens, got 65"),
+        ("{hashLookaheadTokens: 1}", "vLLM hashes lookahead tokens from 0.33 on"),
+        ("{hashLookaheadTokens: 2, vllmVersion: 0.32.0}", "from 0.33 on"),
+    ],
+)
+def test_a_lookahead_outside_its_range_or_release_is_refused(
+    tmp_path: Path, block_key: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError, match=r"blockKey\.hashLookaheadTokens: ") as err:
+        load_config(_write(tmp_path, f"blockKey: {block_key}\n"), env={})
+    assert problem in str(err.value)
+    text = "blockKey: {hashLookaheadTokens: 3, vllmVersion: 0.33.0}\n"
+    assert load_config(_write(tmp_path, text), env={}).block_key.hash_lookahead_tokens == 3
+
+
 def test_null_seed_means_unset_and_static_entries_parse(tmp_path: Path) -> None:
     text = (
         "blockKey:\n  pythonHashSeed: null\ndiscovery:\n  mode: static\n  static:\n"

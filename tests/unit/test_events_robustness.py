@@ -151,6 +151,20 @@ MALFORMED = [
         },
         "malformed",
     ),
+    (
+        {
+            "type": "BlockStored",
+            "block_hashes": [1, 2],
+            "token_ids": [1, 2],
+            "block_size": 1,
+            "lookahead_token_ids": [[3], [4, 5]],
+        },
+        "malformed",
+    ),
+    (["BlockStored", [1, 2], None, [1, 2], 1, *[None] * 10, [[3, 4], [5]]], "malformed"),
+    (["BlockStored", [1], None, [1], 1, *[None] * 10, [3]], "malformed"),
+    (["BlockStored", [1], None, [1], 1, *[None] * 10, [list(range(65))]], "malformed"),
+    (["BlockStored", [1], None, [1], 1, *[None] * 10, [[-1.5]]], "malformed"),
     ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1]}, "malformed"),
     (
         {
@@ -445,3 +459,25 @@ def test_block_removed_array_with_every_field_and_future_fields() -> None:
     for trailing in ([], [None], ["future", 7, None]):
         batch = decode_batch(_batch(["BlockRemoved", *fields, *trailing]))
         assert batch.events == [expected] and batch.skipped == [], trailing
+
+
+@pytest.mark.parametrize("form", ["array", "map"])
+def test_lookahead_token_ids_decode_in_both_forms(form: str) -> None:
+    """vLLM >= 0.33 appends ``lookahead_token_ids`` (the 15th field); one list per hash."""
+    fields: dict[str, Any] = {
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lookahead_token_ids": [[7, 8], [9, 10]],
+    }
+    if form == "map":
+        event: Any = {"type": "BlockStored", **fields}
+    else:
+        event = ["BlockStored", [1, 2], None, [1, 2, 3, 4], 2, *[None] * 10, [[7, 8], [9, 10]]]
+    batch = decode_batch(_batch(event))
+    assert batch.skipped == [] and batch.form == form
+    (stored,) = batch.events
+    assert isinstance(stored, BlockStored) and stored.lookahead_token_ids == [[7, 8], [9, 10]]
+    empty = decode_batch(_batch({"type": "BlockStored", **fields, "lookahead_token_ids": []}))
+    assert empty.skipped == [] and empty.events[0].lookahead_token_ids == []  # type: ignore[union-attr]

@@ -39,7 +39,7 @@ def writes(plan: Plan) -> list[tuple[object, ...]]:
     return [
         (op, tier, vals) if g == 0 else (op, tier, g, vals)
         for op, tier, g, vals in plan.ops.ops
-        if op not in ("D", "H")
+        if op not in ("D", "H", "A")
     ]
 
 
@@ -159,6 +159,29 @@ def test_sparse_stores_are_applied_and_described_once_per_batch() -> None:
         ("H", "", 0, [16, 0, 2]),
     ]
     assert plan.outcomes[("BlockStored", "l1")] == 3
+
+
+def lookahead_ops(plan: Plan) -> list[tuple[object, ...]]:
+    return [op for op in plan.ops.ops if op[0] == "A"]
+
+
+def test_the_lookahead_is_learned_from_gpu_stores_once_per_batch() -> None:
+    """L = len(lookahead_token_ids[0]) of the batch's last GPU store that shows one; a store
+    without the field says L = 0 (vLLM < 0.33 or no EAGLE/MTP); other media and batches
+    without a GPU store say nothing (a connector may leave the field out)."""
+    two = stored([1, 2], lookahead_token_ids=[[5, 6], [7, 8]])
+    assert lookahead_ops(plan_ops(batch(two))) == [("A", "", 0, [2])]
+    assert lookahead_ops(plan_ops(batch(stored([1])))) == [("A", "", 0, [0])]
+    one = stored([3], lookahead_token_ids=[[9]])
+    assert lookahead_ops(plan_ops(batch(two, one))) == [("A", "", 0, [1])]
+    cpu = stored([4], medium="CPU", lookahead_token_ids=None)
+    assert lookahead_ops(plan_ops(batch(two, cpu))) == [("A", "", 0, [2])]
+    assert lookahead_ops(plan_ops(batch(cpu, BlockRemoved([1], medium="GPU")))) == []
+    empty = stored([], token_ids=[], lookahead_token_ids=[])
+    assert lookahead_ops(plan_ops(batch(empty))) == []
+    placeholder = stored([5], token_ids=[], block_size=0, lookahead_token_ids=None)
+    assert lookahead_ops(plan_ops(batch(placeholder))) == []
+    assert writes(plan_ops(batch(two, stored([9])))) == [("S", "l1", [1, 2, 9])]
 
 
 def test_placeholder_stores_are_not_indexed_but_real_ones_after_them_are() -> None:

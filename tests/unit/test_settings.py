@@ -48,7 +48,8 @@ blockKey:
   pythonHashSeed: "42"
   prefixCachingHashAlgo: sha256
   useIntBlockHashes: false
-  vllmVersion: 0.18.0
+  vllmVersion: 0.34.0
+  hashLookaheadTokens: 2
 redis:
   url: redis://127.0.0.1:7777/3
 metrics:
@@ -169,7 +170,7 @@ def test_l1_ingest_settings(cfg: Config) -> None:
         backoff_initial=2.0,
         backoff_max=40.0,
         hash_check_rate=7,
-        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
+        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 34, 0)),
     )
 
 
@@ -200,8 +201,11 @@ def test_api_settings(cfg: Config) -> None:
         max_header_bytes=65536,
         max_hit_rate_body_bytes=1000000,
         max_candidates=64,
-        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
-        instance_limits=Limits(no_events_after=45.0, lease_ttl=8.0, vllm_version=(0, 18, 0)),
+        hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 34, 0)),
+        hash_lookahead=2,
+        instance_limits=Limits(
+            no_events_after=45.0, lease_ttl=8.0, vllm_version=(0, 34, 0), lookahead=2
+        ),
         log_level="debug",
         audit=Audit(
             enabled=False,

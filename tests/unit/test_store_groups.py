@@ -96,6 +96,34 @@ def test_a_changed_descriptor_resets_the_instance(
     assert store.groups(IP)["0"].startswith(kind)
 
 
+def test_the_lookahead_is_kept_and_a_changed_one_resets_the_instance(store: Store) -> None:
+    """``la`` is written with the descriptors; the same L again changes nothing; another L in
+    the same generation (the engine restarted with another speculative config) resets the
+    instance, saying why, and the new generation learns the new L."""
+    gen = _register(store)
+    ops = TierOps()
+    ops.describe(0, "full_attention", 16, None)
+    ops.store("l1", [1, 2])
+    ops.lookahead(1)
+    assert store.apply_batch(IP, gen, 0, 0, ops).status is BatchStatus.APPLIED
+    assert store.groups(IP)["la"] == "1"
+    again = TierOps()
+    again.store("l1", [3])
+    again.lookahead(1)
+    assert store.apply_batch(IP, gen, 0, 1, again).status is BatchStatus.APPLIED
+    assert store.tier_members(IP) == {1, 2, 3}
+    other = TierOps()
+    other.store("l1", [4])
+    other.lookahead(2)
+    assert store.apply_batch(IP, gen, 0, 2, other).status is BatchStatus.GROUPS_CHANGED
+    new_gen = store.get_instance(IP).gen  # type: ignore[union-attr]
+    assert new_gen > gen and store.tier_members(IP) == set() and store.groups(IP) == {}
+    reason = store.l1_state(IP)["reset_reason"]
+    assert "lookahead changed from 1 to 2 tokens" in reason
+    assert store.apply_batch(IP, new_gen, 0, 0, other).status is BatchStatus.APPLIED
+    assert store.groups(IP)["la"] == "2" and store.tier_members(IP) == {4}
+
+
 def test_an_index_in_the_layout_without_groups_is_resynced(store: Store) -> None:
     gen = _register(store)
     store.r.sadd(keys.tier_set(IP, "l1"), 7)  # written by the previous release
