@@ -419,3 +419,29 @@ def test_a_hybrid_under_report_is_checked_at_the_instance_hash_unit(
     doc = _report(client, request_id="hy-1", server_ip=A, cached_tokens=128).json
     assert (doc["verdict"], doc["predicted_tokens"]) == ("under", 64)
     assert (doc["cause"], doc["explained"]) == ("indexed_after_question", True)
+
+
+def test_a_lookahead_under_report_is_checked_with_the_instance_chain(
+    store: Store, redis_client: redis.Redis
+) -> None:
+    """An instance hashing with speculative-decoding lookahead (L = 1, vLLM >= 0.33): the
+    block after the prediction is looked up by its hash in that instance's own chain, so a
+    race is explained, not taken for blocks the index never got (merge of issues 30 and 31)."""
+    from dataclasses import replace
+
+    from common.blockhash_extra import HashInputs
+
+    settings = ApiSettings(
+        hash=replace(ApiSettings().hash, vllm_version=(0, 34, 0)), hash_lookahead=1
+    )
+    l1_hasher = BlockHasher(settings.hash)
+    la = [int(m) for m in l1_hasher.member_keys(PROMPT, BS, inputs=HashInputs(lookahead=1))]
+    assert la[:3] != _members(l1_hasher)[:3]  # another chain than L = 0's
+    _populate(store, A, la[:1])
+    client = falcon.testing.TestClient(create_app(settings, store, l1_hasher, ApiMetrics()))
+    assert _ask(client, [A], "la-1").status_code == 200
+    assert _recorded(redis_client, "la-1")["kh"] == {A: str(la[1])}
+    _populate(store, A, la[1:3], seq=2)  # another request stored blocks 1 and 2 meanwhile
+    doc = _report(client, request_id="la-1", server_ip=A, cached_tokens=48).json
+    assert (doc["verdict"], doc["predicted_tokens"]) == ("under", 16)
+    assert (doc["cause"], doc["explained"]) == ("indexed_after_question", True)
