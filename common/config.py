@@ -1,11 +1,11 @@
 """The runtime config file (the operator's ``config.yaml``): schema, defaults, validation.
 
 The schema is the original service's (``http``, ``log``, ``blockKey``, ``discovery``,
-``ingest``) plus this project's own keys (``redis``, ``metrics``, ``discovery.mode`` and
-``discovery.static``, sharding and lease settings, ``ingest.l3.scope`` …), every one with a
-default, so an empty file is valid. Durations are Go-style strings (``10s``, ``1m30s``,
-``500ms``). The file is read once; *all* problems (unknown keys, wrong types, bad values)
-are reported together in one :class:`~common.errors.ConfigError` naming each key.
+``ingest``) plus this project's own keys (``redis``, ``metrics``, ``audit``,
+``discovery.mode`` and ``discovery.static``, sharding and lease settings, ``ingest.l3.scope``
+…), every one with a default, so an empty file is valid. Durations are Go-style strings
+(``10s``, ``1m30s``, ``500ms``). The file is read once; *all* problems (unknown keys, wrong
+types, bad values) are reported together in one :class:`~common.errors.ConfigError` naming each key.
 
 A few environment variables override the file: ``CACHE_INDEXER_REDIS_URL`` (redis.url),
 ``CACHE_INDEXER_REDIS_USERNAME`` / ``CACHE_INDEXER_REDIS_PASSWORD`` (redis.username/password,
@@ -275,6 +275,21 @@ class Metrics:
 
 
 @dataclass
+class Audit:
+    """``audit``: recording hit-rate answers and comparing them with outcome reports
+    (``services/api/audit_record.py``, ``audit_outcome.py``)."""
+
+    enabled: bool = True
+    ttl: Duration = _f(Duration(600))
+    max_records_per_second: int = 2000
+    queue_size: int = 10000
+    race_window: Duration = _f(Duration(30))
+    max_report_bytes: int = 4096
+    recent: int = 100
+    worst_instances: int = 100
+
+
+@dataclass
 class Config:
     http: HTTP = _f(HTTP)
     log: Log = _f(Log)
@@ -283,6 +298,7 @@ class Config:
     discovery: Discovery = _f(Discovery)
     ingest: Ingest = _f(Ingest)
     metrics: Metrics = _f(Metrics)
+    audit: Audit = _f(Audit)
 
 
 def _yaml_name(f: dataclasses.Field[Any]) -> str:
@@ -422,6 +438,13 @@ def _check_values(cfg: Config, problems: list[str]) -> None:
         ("http.threads", cfg.http.threads),
         ("ingest.l3.batchSize", cfg.ingest.l3.batch_size),
         ("ingest.l1.noEventsAfter", cfg.ingest.l1.no_events_after),
+        ("audit.ttl", cfg.audit.ttl),
+        ("audit.maxRecordsPerSecond", cfg.audit.max_records_per_second),
+        ("audit.queueSize", cfg.audit.queue_size),
+        ("audit.raceWindow", cfg.audit.race_window),
+        ("audit.maxReportBytes", cfg.audit.max_report_bytes),
+        ("audit.recent", cfg.audit.recent),
+        ("audit.worstInstances", cfg.audit.worst_instances),
     ):
         if value <= 0:
             problems.append(f"{dotted}: must be > 0, got {value}")

@@ -32,6 +32,15 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 | ci:master:{<url>}:state      | HASH   | L3 poller         | API, tools               | per master: ``services/l3_poller/status.py`` ``STATE_FIELDS`` |
 | ci:lease:<name>              | STRING | discovery         | discovery                | lease (PX) so one discovery process writes at a time |
 | ci:ingesters                 | ZSET   | L1 ingesters      | L1 ingesters, API        | live ingester id → heartbeat expiry (ms since epoch) |
+| ci:audit:{<rid>}             | STRING | API               | API                      | ``audit.ttl``: the answer given to hit-rate request id rid, JSON (``services/api/audit_record.py``) |
+| ci:audit:{<rid>}:r           | HASH   | API               | API                      | ``audit.ttl`` from the first report: ``r:<ip>`` = the outcome reported for ip |
+| ci:audit:prefix:{<fp>}       | ZSET   | API               | API                      | 2 × ``audit.raceWindow`` (renewed), last 64 members: request ids asked about prompts whose block 0 is fp → time asked (ms) |
+| ci:audit:prefix:{<fp>}:done  | ZSET   | API               | API                      | as the above: those request ids → time their first outcome was reported (ms) |
+| ci:{ip}:audit                | HASH   | API               | API, tools               | 1 day after the last report: the instance's outcome tallies (``services/api/audit_outcome.py``) |
+| ci:{ip}:audit:reports        | ZSET   | API               | API                      | as the above, last 64 members: request ids reported on the instance → time reported (ms) |
+| ci:audit:worst               | ZSET   | API               | API, tools               | forever, ``audit.worstInstances`` members: ip → unexplained discrepancies |
+| ci:audit:recent              | LIST   | API               | API, tools               | forever, ``audit.recent`` entries: the latest discrepancies as JSON |
+| ci:audit:totals              | HASH   | API               | API, tools               | forever: outcome counts by verdict and explanation, over all replicas |
 """
 
 from __future__ import annotations
@@ -134,3 +143,38 @@ def master_state(url: str) -> str:
 
 def lease(name: str) -> str:
     return f"{PREFIX}:lease:{name}"
+
+
+def audit_question(request_id: str) -> str:
+    """What the API answered to hit-rate request ``request_id``, and its outcome reports."""
+    return f"{PREFIX}:audit:{{{request_id}}}"
+
+
+def audit_reports(request_id: str) -> str:
+    """The outcomes reported for :func:`audit_question` (same slot)."""
+    return f"{audit_question(request_id)}:r"
+
+
+def audit_prefix(first_block: str) -> str:
+    """Recent questions whose prompt's block 0 has member key ``first_block`` (race check)."""
+    return f"{PREFIX}:audit:prefix:{{{first_block}}}"
+
+
+def audit_prefix_done(first_block: str) -> str:
+    """When the questions of :func:`audit_prefix` were first reported on (same slot)."""
+    return f"{audit_prefix(first_block)}:done"
+
+
+def audit_instance(ip: str) -> str:
+    """One instance's outcome tallies."""
+    return f"{_tag(ip)}:audit"
+
+
+def audit_instance_reports(ip: str) -> str:
+    """The latest outcome reports on one instance, by time (the concurrent-traffic check)."""
+    return f"{_tag(ip)}:audit:reports"
+
+
+AUDIT_WORST = f"{PREFIX}:audit:worst"
+AUDIT_RECENT = f"{PREFIX}:audit:recent"
+AUDIT_TOTALS = f"{PREFIX}:audit:totals"

@@ -12,8 +12,8 @@ section. Every object is a frozen dataclass built by its ``from_config`` classme
 * :class:`L1IngestSettings`: ``ingest.l1.*`` and ``blockKey.*`` (the hash self-check);
 * :class:`L3PollerSettings`: ``ingest.l3.*`` and ``discovery.segmentsFetchTimeout``;
 * :class:`ApiSettings`: ``http.*``, ``blockKey.*`` (as :class:`~common.blockhash.HashSettings`),
-  ``ingest.l1.noEventsAfter``/``leaseTTL`` (the instance states it reports) and ``log.level``
-  (gunicorn's own log level).
+  ``ingest.l1.noEventsAfter``/``leaseTTL`` (the instance states it reports), ``log.level``
+  (gunicorn's own log level) and ``audit.*`` (the prediction audit).
 
 The cross-section keys keep the original's meaning (the drop-in contract): in the Go
 service ``ingest.l1.backoff*`` is the reconnect backoff of every watcher, ``ingest.l3.scheme``
@@ -25,11 +25,12 @@ the event decoder reads both hash forms. Nested sections passed through unchange
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.blockhash import HashSettings
 from common.config import (
     HTTP,
+    Audit,
     KEY_FORMATS,
     Config,
     DiscoveryMode,
@@ -224,6 +225,8 @@ class ApiSettings:
     """What ``GET /kv-cache/instances`` judges the ingesters' reports by."""
     log_level: str = Config().log.level
     """gunicorn's own log level (the process's ``log.level``)."""
+    audit: Audit = field(default_factory=Audit)
+    """The prediction audit (``audit``): recording answers, outcome reports."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ApiSettings:
@@ -244,6 +247,7 @@ class ApiSettings:
             hash=hash_settings(cfg),
             instance_limits=instance_limits(cfg),
             log_level=cfg.log.level,
+            audit=cfg.audit,
         )
 
 

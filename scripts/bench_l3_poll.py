@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 from common.settings import L3PollerSettings  # noqa: E402
 from common.store import Instance, Store  # noqa: E402
 from services.l3_poller.client import Churn, MasterClient, parse_batch_body  # noqa: E402
-from services.l3_poller.keys_parser import parse_key  # noqa: E402
+from tests.keys_oracle import parse_key  # noqa: E402
 from services.l3_poller.metrics import PollerMetrics  # noqa: E402
 from services.l3_poller.poller import MasterPoller  # noqa: E402
 from services.l3_poller.writer import L3Writer  # noqa: E402

@@ -274,11 +274,41 @@ def _platform_rows() -> list[Panel]:
     ]
 
 
+def _audit_rows() -> list[Panel]:
+    out, diff = (
+        "cache_indexer_api_audit_outcomes_total",
+        "cache_indexer_api_audit_difference_tokens",
+    )
+    share = (
+        f'(sum by (source) (rate({out}{{explained="false"}}[{RATE}]))'
+        f" or sum by (source) (rate({out}[{RATE}])) * 0) / sum by (source) (rate({out}[{RATE}]))"
+    )
+    records = f"sum by (result) (rate(cache_indexer_api_audit_records_total[{RATE}]))"
+    return [
+        Panel(
+            "Outcome reports/s by verdict",
+            "ops",
+            ((f"sum by (verdict, explained) (rate({out}[{RATE}]))", "{{verdict}} {{explained}}"),),
+        ),
+        Panel("Unexplained share of outcome reports", "percentunit", ((share, "{{source}}"),)),
+        Panel(
+            "Token difference p50 / p99 (|realized - predicted|)",
+            "short",
+            tuple(
+                (f"histogram_quantile({q}, sum by (le) (rate({diff}_bucket[{RATE}])))", f"p{q}")
+                for q in (0.5, 0.99)
+            ),
+        ),
+        Panel("Audit records/s by result", "ops", ((records, "{{result}}"),)),
+    ]
+
+
 ROWS: list[tuple[str, list[Panel]]] = [
     ("Hit-rate API", _api_rows()),
     ("Instances (L1)", _instance_rows()),
     ("Mooncake masters (L3)", _l3_rows()),
     ("Redis and workers", _platform_rows()),
+    ("Prediction audit", _audit_rows()),
 ]
 
 

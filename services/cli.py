@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "hash": ("services.tools.hash_cmd", "print vLLM block hashes of token ids on stdin"),
     "decode": ("services.tools.decode_cmd", "decode one KV-event payload on stdin"),
     "inspect": ("services.tools.inspect_cmd", "every instance's freshness, hash check and L3"),
+    "audit": ("services.tools.audit_cmd", "hit-rate answers vs what the engines reused"),
 }
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
+_TOKEN_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -88,6 +89,24 @@ class ApiMetrics:
             "cache_indexer_api_group_rereads_total",
             "Candidates read a second time in one request because their KV-cache groups "
             "changed since the worker last saw them.",
+        )
+        self.audit_records: Counter = r.counter(
+            "cache_indexer_api_audit_records_total",
+            "Hit-rate answers with a request_id offered to the audit, by what became of them "
+            "(recorded, rate_limited, queue_full, redis_error).",
+            ("result",),
+        )
+        self.audit_outcomes: Counter = r.counter(
+            "cache_indexer_api_audit_outcomes_total",
+            "Outcome reports compared with the answer given at routing time, by verdict "
+            "(exact, under, over), source (router, probe) and whether a difference is explained.",
+            ("verdict", "source", "explained"),
+        )
+        self.audit_difference: Histogram = r.histogram(
+            "cache_indexer_api_audit_difference_tokens",
+            "Per outcome report, |realized - predicted| cached tokens, by verdict and source.",
+            ("verdict", "source"),
+            _TOKEN_BUCKETS,
         )
         if self.registry.buffers is not None:
             self.registry.buffers.start()

@@ -6,7 +6,9 @@ their own; :func:`get_app` / :func:`build_app` make the real ones from the API's
 connection pool must not cross a fork).
 
 Routes: ``POST /kv-cache/hit-rate`` (:mod:`services.api.hit_rate`), ``GET
-/kv-cache/instances`` (:mod:`services.api.instances`), ``GET /healthz``
+/kv-cache/instances`` (:mod:`services.api.instances`), ``POST /kv-cache/outcome``
+(:mod:`services.api.audit_outcome`), ``GET /kv-cache/audit`` (:mod:`services.api.audit_view`),
+``GET /healthz``
 (liveness: answers while the process serves), ``GET /readyz`` (Redis ROLE: ``redis`` names
 the role and address it talks to; 503 with a reason if Redis does not answer, is a
 replica, whose copy is frozen, or is a sentinel), ``GET /metrics`` (Prometheus text,
@@ -34,8 +36,9 @@ from common.redis_client import Client, connect, role, role_problem
 from common.settings import ApiSettings
 from common.store import Store
 from common.status_report import Limits, StatusReader
-from services.api import api_metrics, hit_rate, instances
+from services.api import api_metrics, audit_outcome, audit_view, hit_rate, instances
 from services.api.api_metrics import ApiMetrics
+from services.api.audit_record import Recorder
 from services.api.instances import status_metrics
 from services.api.scoring import StoreReads
 
@@ -160,6 +163,8 @@ def create_app(
     """The WSGI app over injected dependencies."""
     middleware: list[Any] = [_RequestMetrics(metrics), _ServedBy(), hit_rate.PostOnly()]
     app: App = falcon.App(middleware=middleware)
+    audit = settings.audit
+    recorder = Recorder(store.r, audit, metrics) if audit.enabled else None
     app.add_route(
         hit_rate.PATH,
         hit_rate.HitRateResource(
@@ -169,8 +174,11 @@ def create_app(
             settings.max_hit_rate_body_bytes,
             settings.max_candidates,
             settings.hash.vllm_version,
+            recorder,
         ),
     )
+    app.add_route(audit_outcome.PATH, audit_outcome.OutcomeResource(store.r, audit, metrics))
+    app.add_route(audit_view.PATH, audit_view.AuditViewResource(store.r, audit, metrics))
     reader = StatusReader(store.r)
     limits = settings.instance_limits
     app.add_route(instances.PATH, instances.InstancesResource(reader, limits, metrics))

@@ -18,13 +18,15 @@ refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
 hold: ``[0, 2**64)``, or ``[0, 2**31)`` for vLLM >= 0.34 (:mod:`common.blockhash` decides,
 for the partial tail block too); anything else is a 400, as vLLM would refuse the prompt.
+The optional ``lora_name``, ``lora_path`` and ``mm_features`` (:mod:`services.api.request_inputs`)
+key every chain the request hashes; without them the hasher is called exactly as before.
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,17 +35,22 @@ import numpy as np
 import orjson
 import redis
 
+from common.blockhash_extra import PLAIN, HashInputs
 from common.config import HTTP
 from common.errors import RequestError
+from services.api import request_inputs
 from services.api.api_metrics import ApiMetrics
-from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
+from services.api.audit_record import HEADER as REQUEST_ID_HEADER
+from services.api.audit_record import Recorder, hybrid_stops, parse_request_id
+from services.api.scoring import Chain, Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
 logger = logging.getLogger(__name__)
 
 PATH = "/kv-cache/hit-rate"
 _READ_CHUNK = 64 * 1024
-_TOP_FIELDS = ("server_ip", "body")
-_BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
+_TOP_FIELDS = ("server_ip", "body", "request_id")
+_TOP_REQUIRED = ("server_ip", "body")
+_BODY_FIELDS = ("token_ids", "cache_salt", "block_size", *request_inputs.FIELDS)
 _BODY_REQUIRED = ("token_ids", "block_size")
 DEFAULT_MAX_CANDIDATES = HTTP().max_candidates
 LOOKUPS_PER_CANDIDATE = 4096
@@ -55,7 +62,12 @@ class Hasher(Protocol):
     """What the API needs of :class:`common.blockhash.BlockHasher`."""
 
     def member_keys(
-        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[bytes]: ...
 
 
@@ -65,6 +77,8 @@ class HitRateRequest:
     token_ids: Sequence[int]  # usually an array("Q") (:func:`_token_ids`)
     block_size: int
     cache_salt: str | None  # "" in the request means no salt: stored as None
+    inputs: HashInputs = PLAIN  # LoRA and multimodal items (:mod:`services.api.request_inputs`)
+    request_id: str | None = None  # the audit's key (services/api/audit_record.py)
 
 
 def read_body(req: falcon.Request, limit: int) -> bytes:
@@ -87,16 +101,21 @@ def read_body(req: falcon.Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> HitRateRequest:
+def parse_request(
+    raw: bytes,
+    max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    vllm_version: tuple[int, ...] = (0, 28, 0),
+) -> HitRateRequest:
     """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid,
-    including more than ``max_candidates`` distinct ``server_ip`` values."""
+    including more than ``max_candidates`` distinct ``server_ip`` values, and LoRA or
+    multimodal fields the configured ``vllm_version`` cannot hash."""
     if not raw.strip():
         raise _bad("the request body is empty")
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _bad(f"the request body is not valid JSON ({exc})") from None
-    top = _fields(doc, "", _TOP_FIELDS, _TOP_FIELDS)
+    top = _fields(doc, "", _TOP_FIELDS, _TOP_REQUIRED)
     ips = top["server_ip"]
     if not isinstance(ips, list):
         raise _bad(f"server_ip must be a list of strings, got {_kind(ips)}")
@@ -119,7 +138,16 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    request = HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    token_ids = _token_ids(body["token_ids"], raw)
+    inputs = request_inputs.parse_inputs(body, len(token_ids), vllm_version)
+    request = HitRateRequest(
+        ips,
+        token_ids,
+        block_size,
+        salt or None,
+        inputs,
+        request_id=parse_request_id(top.get("request_id")),
+    )
     _check_lookups(request, max_candidates)
     return request
 
@@ -219,6 +247,7 @@ def score(
     *,
     detail: bool = False,
     vllm_version: tuple[int, ...] = (0, 28, 0),
+    on_hits: Callable[[dict[str, tuple[Hit, Hit]], Chain, ViewCache], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One ``{server_ip, l1_hit_ratio, l3_hit_ratio}`` per requested ip, in input order;
     with ``detail`` also each tier's hit in tokens, whether it is exact, and why not.
@@ -226,13 +255,17 @@ def score(
     The prompt is hashed once per distinct hash unit among the candidates (the request's
     block size for single-group instances); the reads are the read plan's one or two
     pipelined round trips (:mod:`services.api.read_plan`), the candidates whose KV-cache
-    groups changed since this worker last saw them starting over in the next one."""
+    groups changed since this worker last saw them starting over in the next one.
+    ``on_hits`` gets every distinct candidate's hits, the prompt's chains and the
+    candidates' views (the audit's record)."""
     views = views if views is not None else ViewCache()
     chains: dict[int, Sequence[bytes]] = {}
+    # LoRA and items only when given: a plain request calls the hasher exactly as before
+    extra = {} if request.inputs is PLAIN else {"inputs": request.inputs}
 
     def chain(unit: int) -> Sequence[bytes]:
         if unit not in chains:  # hashes every full unit, range-checks every id
-            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt)
+            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt, **extra)
             metrics.hashed_blocks.inc(len(chains[unit]))
         return chains[unit]
 
@@ -261,6 +294,8 @@ def score(
         for tier, hit in (("l1", l1), ("l3", l3)):
             for reason in hit.reasons:
                 metrics.inexact.inc(tier=tier, reason=reason)
+    if on_hits is not None:
+        on_hits(hits, chain, views)
     if hits:  # what the router can gain from this request: its best candidate, per tier
         metrics.best_hit_ratio.observe(max(h[0].ratio for h in hits.values()), tier="l1")
         metrics.best_hit_ratio.observe(max(h[1].ratio for h in hits.values()), tier="l3")
@@ -326,15 +361,22 @@ class HitRateResource:
         body_limit: int,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
         vllm_version: tuple[int, ...] = (0, 28, 0),
+        recorder: Recorder | None = None,
     ) -> None:
         self.store, self.hasher, self.metrics = store, hasher, metrics
+        self.recorder = recorder
         self.body_limit, self.max_candidates = body_limit, max_candidates
         self.vllm_version = vllm_version
         self.views = ViewCache()
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = parse_request(read_body(req, self.body_limit), self.max_candidates)
+        request = parse_request(
+            read_body(req, self.body_limit), self.max_candidates, self.vllm_version
+        )
         detail = req.get_param_as_bool("detail", default=False)
+        rid = request.request_id or parse_request_id(
+            req.get_header(REQUEST_ID_HEADER), f"the {REQUEST_ID_HEADER} header"
+        )
         scores = score(
             request,
             self.store,
@@ -343,9 +385,34 @@ class HitRateResource:
             self.views,
             detail=bool(detail),
             vllm_version=self.vllm_version,
+            on_hits=self._recording(request, rid),
         )
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = orjson.dumps({"server_score_list": scores, "message": "", "status": 0})
+        doc: dict[str, Any] = {"server_score_list": scores, "message": "", "status": 0}
+        if rid is not None:
+            doc["request_id"] = rid
+        resp.data = orjson.dumps(doc)
+
+    def _recording(
+        self, request: HitRateRequest, rid: str | None
+    ) -> Callable[[dict[str, tuple[Hit, Hit]], Chain, ViewCache], None] | None:
+        """What records the answer under ``rid`` (None: no id, or the audit is off)."""
+        recorder = self.recorder
+        if rid is None or recorder is None:
+            return None
+
+        def record(hits: dict[str, tuple[Hit, Hit]], chain: Chain, views: ViewCache) -> None:
+            recorder.offer(
+                rid,
+                len(request.token_ids),
+                request.block_size,
+                request.cache_salt is not None,
+                hits,
+                chain(request.block_size),
+                hybrid_stops(hits, views, chain),
+            )
+
+        return record
 
 
 class PostOnly:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from enum import StrEnum
 
 import zmq
 
@@ -29,6 +30,14 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = (1 << 64) - 1
 """-1 as 8 bytes: the sequence of the end-of-replay marker."""
+
+
+class ReplayEndpoint(StrEnum):
+    """Whether a rank's replay endpoint could be connected to (logged when it changes)."""
+
+    AVAILABLE = "available"
+    UNAVAILABLE = "unavailable"
+    """ZMQ refused the endpoint: every gap goes to the gap policy for the session."""
 
 
 def parse_reply(frames: list[bytes]) -> tuple[int, bytes] | None:

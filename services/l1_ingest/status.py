@@ -134,10 +134,9 @@ class InstanceStatus:
         self._resyncs_acked = self._pending_resyncs
 
 
-def worst(states: list[str]) -> ConnState:
-    """The worst connection state of an instance's ranks."""
-    known = [ConnState(s) for s in states if s in CONN_ORDER]
-    return max(known, key=CONN_ORDER.index) if known else ConnState.CONNECTING
+def worst(states: list[ConnState]) -> ConnState:
+    """The worst connection state of an instance's ranks (connecting for none)."""
+    return max(states, key=CONN_ORDER.index, default=ConnState.CONNECTING)
 
 
 @dataclass(frozen=True)

@@ -49,54 +49,31 @@ instances are never held up. Static discovery already skips such entries
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from typing import Protocol
 
 import zmq
 
-from common.errors import FencedError, NotABatchError
-from common.events import Event, decode_batch
-from common.lifecycle import StateLog
 from common.config import GapPolicy
+from common.errors import FencedError
+from common.lifecycle import StateLog
 from common.store import ApplyResult, BatchStatus, Instance, StoredCursor, TierOps
-from services.l1_ingest.apply import (
-    Cursor,
-    GroupSettings,
-    Plan,
-    Step,
-    Verdict,
-    classify,
-    plan_ops,
-    plan_run,
+from services.l1_ingest.apply import Cursor, GroupSettings, Step, Verdict, classify, plan_run
+from services.l1_ingest.batch import (
+    BatchWriter,
+    count_applied,
+    decode_plan,
+    digest_of,
+    payload_digest,
+    show_cursor,
 )
 from services.l1_ingest.metrics import IngestMetrics
-from services.l1_ingest.replay import ReplayRequest
+from services.l1_ingest.replay import ReplayEndpoint, ReplayRequest
 from services.l1_ingest.status import InstanceStatus
 
 logger = logging.getLogger(__name__)
 
-
-class BatchWriter(Protocol):
-    """A rank stream's role of :class:`common.store.Store`: fenced batch writes, the cursor."""
-
-    def apply_batch(
-        self,
-        ip: str,
-        gen: int,
-        rank: int,
-        seq: int,
-        ops: TierOps,
-        *,
-        owner: str = "",
-        reset: bool = False,
-        gap: bool = False,
-        follows: StoredCursor | None = None,
-        digest: str = "",
-    ) -> ApplyResult: ...
-
-    def cursor(self, ip: str, rank: int) -> StoredCursor: ...
+__all__ = ["BatchWriter", "RankStream", "payload_digest", "rank_endpoint"]
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -110,11 +87,6 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         if port.isdigit():
             return f"{base}:{int(port) + rank}"
     return endpoint
-
-
-def payload_digest(payload: bytes) -> bytes:
-    """8 bytes identifying a payload (compared with the replayed batch at the same seq)."""
-    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 class RankStream:
@@ -146,7 +118,7 @@ class RankStream:
         self.cursor = Cursor(applied=self.stored.seq)
         # (seq, payload digest) of the last batch applied: the store's, or (data written
         # before digests were stored) a previous session's if it is still the store's seq
-        self.digest = _digest_of(self.stored)
+        self.digest = digest_of(self.stored)
         if self.digest is None and last_digest and last_digest[0] == self.cursor.applied:
             self.digest = last_digest
         self.replay: ReplayRequest | None = None
@@ -156,7 +128,7 @@ class RankStream:
         self._unverified = True
         """No batch seen since the last (re)connect and no replay to verify the lifetime."""
         self._replay_state = StateLog(logger, f"{self.name}: replay at {self.replay_endpoint!r}")
-        self._replay_state.state = "available"  # only a change from here is logged
+        self._replay_state.state = ReplayEndpoint.AVAILABLE  # only a change from here is logged
 
     @property
     def paused(self) -> bool:
@@ -215,13 +187,14 @@ class RankStream:
         """The stored cursor is not the one this stream follows (a write was refused, or the
         periodic check saw it): re-read it and re-sync from it, then write ``held``."""
         stored = self.store.cursor(self.inst.ip, self.rank)
-        self.resyncing = f"{why}; stored cursor {_show(stored)}, ours {_show(self.stored)}"
+        theirs, ours = show_cursor(stored), show_cursor(self.stored)
+        self.resyncing = f"{why}; stored cursor {theirs}, ours {ours}"
         logger.warning("%s: %s: re-syncing", self.name, self.resyncing)
         self.metrics.resyncs.inc()
         if self.status is not None:
             self.status.resynced(self.resyncing)
         self.close()
-        self.stored, self.cursor, self.digest = stored, Cursor(stored.seq), _digest_of(stored)
+        self.stored, self.cursor, self.digest = stored, Cursor(stored.seq), digest_of(stored)
         held = sorted(held)
         if self.digest is None:
             self._reset(f"{why}: nothing to verify a replay against", held)
@@ -329,9 +302,10 @@ class RankStream:
                 on_malformed=self._count_malformed,
             )
         except zmq.ZMQError as exc:
-            self._replay_state.set("unavailable", f"{exc}; gaps cannot be filled", logging.ERROR)
+            why = f"{exc}; gaps cannot be filled"
+            self._replay_state.set(ReplayEndpoint.UNAVAILABLE, why, logging.ERROR)
             return False
-        self._replay_state.set("available")
+        self._replay_state.set(ReplayEndpoint.AVAILABLE)
         self.pending, self.replay = held, replay
         return True
 
@@ -356,30 +330,9 @@ class RankStream:
         return True
 
     def _write(self, step: Step) -> bool:
-        plan, events = self._plan(step)
-        reset = self.cursor.reset_pending
-        gap = False
-        if step.gap_before and self.resyncing:
-            # writes the store lost that replay cannot give back: what they removed may
-            # still be in the index, so rebuild the rank rather than keep it
-            logger.error(
-                "%s: batches %s..%d are lost and not replayable: resetting the rank",
-                self.name,
-                self.cursor.expected(),
-                step.seq - 1,
-            )
-            reset = True
-        elif step.gap_before:
-            self.metrics.gaps.inc(outcome="unrecoverable")
-            logger.error(
-                "%s: batches %s..%d are lost (no replay covers them): %s the index",
-                self.name,
-                self.cursor.expected(),
-                step.seq - 1,
-                "clearing" if self.gap_policy == "clear" else "keeping (flagged)",
-            )
-            reset = reset or self.gap_policy == "clear"
-            gap = self.gap_policy != "clear"
+        """Write one batch; False if the stored cursor moved (raise if it was fenced)."""
+        plan, events = decode_plan(self.name, step, self.groups, self.metrics)
+        reset, gap = self._gap_flags(step)
         digest = payload_digest(step.payload)
         stored = StoredCursor(step.seq, digest.hex())
         started = time.perf_counter()
@@ -401,9 +354,7 @@ class RankStream:
             self.cursor.mark_applied(step.seq)
             self.digest = (step.seq, digest)
             self.stored = stored
-            self._count(plan)
-            if result.unknown_removes:
-                self.metrics.unknown_removes.inc(result.unknown_removes)
+            count_applied(self.metrics, plan, result)
             if self.status is not None and self.status.checker is not None:
                 self.status.checker.offer(events)
         elif result.status is BatchStatus.DUPLICATE:
@@ -415,56 +366,33 @@ class RankStream:
             raise self._refused(result, f"the write of seq {step.seq}")
         return True
 
+    def _gap_flags(self, step: Step) -> tuple[bool, bool]:
+        """(reset, gap) of the write of ``step``: what a gap before it does to the rank."""
+        reset = self.cursor.reset_pending
+        if not step.gap_before:
+            return reset, False
+        if self.resyncing:
+            # writes the store lost that replay cannot give back: what they removed may
+            # still be in the index, so rebuild the rank rather than keep it
+            logger.error(
+                "%s: batches %s..%d are lost and not replayable: resetting the rank",
+                self.name,
+                self.cursor.expected(),
+                step.seq - 1,
+            )
+            return True, False
+        self.metrics.gaps.inc(outcome="unrecoverable")
+        logger.error(
+            "%s: batches %s..%d are lost (no replay covers them): %s the index",
+            self.name,
+            self.cursor.expected(),
+            step.seq - 1,
+            "clearing" if self.gap_policy == "clear" else "keeping (flagged)",
+        )
+        return reset or self.gap_policy == "clear", self.gap_policy != "clear"
+
     def _refused(self, result: ApplyResult, what: str) -> FencedError:
         logger.error(
             "%s: %s was refused (%s): stopping this subscription", self.name, what, result.status
         )
         return FencedError(f"{self.name}: {what} was refused ({result.status})", result.status)
-
-    def _plan(self, step: Step) -> tuple[Plan, list[Event]]:
-        try:
-            batch = decode_batch(step.payload)
-        except NotABatchError as exc:
-            logger.error(
-                "%s: seq %d is not an event batch (%d bytes): %s",
-                self.name,
-                step.seq,
-                len(step.payload),
-                exc,
-            )
-            self.metrics.malformed_frames.inc(reason=exc.reason)
-            return Plan(TierOps()), []
-        for skipped in batch.skipped:
-            logger.error(
-                "%s: seq %d event %d skipped (%s): %s",
-                self.name,
-                step.seq,
-                skipped.index,
-                skipped.reason,
-                skipped.detail,
-            )
-        return plan_ops(batch, self.groups), batch.events
-
-    def _count(self, plan: Plan) -> None:
-        for (kind, outcome), n in plan.outcomes.items():
-            self.metrics.events.inc(n, type=kind, outcome=outcome)
-        for medium, n in plan.other_media.items():
-            self.metrics.skipped_media.inc(n, medium=medium)
-        for tier, n in plan.hash_updates.items():
-            self.metrics.hash_updates.inc(n, tier=tier)
-
-
-def _digest_of(cursor: StoredCursor) -> tuple[int, bytes] | None:
-    """The (seq, digest) a replay's first batch is compared with; None if none is stored."""
-    if cursor.seq is None or cursor.seq < 0 or not cursor.digest:
-        return None
-    try:
-        return cursor.seq, bytes.fromhex(cursor.digest)
-    except ValueError:
-        return None
-
-
-def _show(cursor: StoredCursor) -> str:
-    if cursor.seq is None or cursor.seq < 0:
-        return "none"
-    return f"seq {cursor.seq}" + (f" ({cursor.digest})" if cursor.digest else "")

@@ -2,13 +2,10 @@
 
 One thread owns every socket (ZMQ sockets are not thread-safe) and runs a ``zmq.Poller``
 with a 250 ms timeout, so a stop request or a new instance set is noticed quickly. Per
-instance rank there are a SUB socket (connected to the rank's endpoint; libzmq reconnects
-with ``RECONNECT_IVL`` = ``backoffInitial`` doubling up to ``backoffMax``), its socket monitor
-(connect / disconnect logged once per change; every successful handshake triggers a catch-up
-replay), and, while a replay is in flight, that replay's DEALER.
-
-Live messages must be ``[topic, seq (8 bytes, big-endian), payload]``; anything else is
-counted and dropped. Each batch goes to its :class:`~services.l1_ingest.stream.RankStream`.
+instance rank there are a SUB socket and its socket monitor
+(:class:`~services.l1_ingest.rank_conn.RankConn`, which says how they reconnect and what
+they accept) and, while a replay is in flight, that replay's DEALER. Each batch goes to the
+rank's :class:`~services.l1_ingest.stream.RankStream`.
 Instances come from :meth:`Subscriber.set_instances` (called by the assignment loop in
 another thread); a changed generation or endpoint resubscribes with fresh state. A Redis or
 ZMQ failure or a refused (fenced) write closes the instance's sockets and retries with
@@ -19,9 +16,7 @@ yet, every instance waiting to retry) the loop waits on the stop event instead, 
 Every ``VERIFY_INTERVAL`` seconds one pipelined read compares the stored cursor (seq and
 digest) of every rank not replaying with the one its stream applied; a rank whose cursor moved
 (a Redis failover lost writes, the state hash was emptied) re-syncs at once, so a quiet
-instance heals within seconds, not at its next batch. The SUB socket's reconnect interval is
-capped at ``RECONNECT_MAX`` (not ``backoffMax``): a restarted vLLM is reconnected to, and its
-new lifetime recognised, within a few seconds.
+instance heals within seconds, not at its next batch.
 
 What survives a session of a rank (resubscribing after a failure, losing and regaining its
 lease) is the digest of the last payload applied there, kept per (ip, rank, generation), so
@@ -34,25 +29,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from enum import Enum
 from typing import Protocol
 
 import redis
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from common.errors import FencedError
 from common.health import Health
-from common.lifecycle import Backoff, StateLog
+from common.lifecycle import Backoff
 from common.settings import L1IngestSettings
 from common.status_report import ConnState
 from common.store import Instance, StoredCursor
 from services.l1_ingest.apply import GroupSettings
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.status import ConnRound, StatusBoard, StatusWriter, worst
-from services.l1_ingest.stream import BatchWriter, RankStream, rank_endpoint
+from services.l1_ingest.batch import BatchWriter
+from services.l1_ingest.rank_conn import RankConn, SocketKind
+from services.l1_ingest.stream import RankStream
 
 logger = logging.getLogger(__name__)
 
@@ -69,38 +63,6 @@ STATUS_INTERVAL = 1.0
 """Seconds between two writes of the instances' status (at most; see heartbeatInterval)."""
 VERIFY_INTERVAL = 2.0
 """Seconds between two checks of the stored cursors against the streams' (lost writes)."""
-RECONNECT_MAX = 2.0
-"""Cap of the SUB socket's reconnect interval: a restarted publisher is noticed this fast."""
-DRAIN_MAX = 500
-"""Messages read from one socket per poll round, so a busy instance cannot starve others."""
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-
-
-def parse_live(frames: list[bytes]) -> tuple[int, bytes] | None:
-    """``[topic, seq8, payload]`` → ``(seq, payload)``; ``None`` for any other shape."""
-    if len(frames) != 3 or len(frames[1]) != 8:
-        return None
-    return int.from_bytes(frames[1], "big"), frames[2]
-
-
-class SocketKind(Enum):
-    """What a polled socket of a rank is."""
-
-    SUB = "sub"
-    """The live stream."""
-    MONITOR = "monitor"
-    """The SUB socket's connection events."""
-    REPLAY = "replay"
-    """The DEALER of a replay in flight."""
-
-
-@dataclass(eq=False)
-class _Conn:
-    stream: RankStream
-    sub: zmq.Socket[bytes]
-    monitor: zmq.Socket[bytes]
-    state: StateLog
-    connected: bool = False
 
 
 def _same(a: Instance, b: Instance) -> bool:
@@ -133,8 +95,8 @@ class Subscriber:
         self._incoming: dict[str, Instance] | None = None
         self._wanted: dict[str, Instance] = {}
         self._active: dict[str, Instance] = {}
-        self._conns: dict[tuple[str, int], _Conn] = {}
-        self._by_socket: dict[zmq.Socket[bytes], tuple[SocketKind, _Conn]] = {}
+        self._conns: dict[tuple[str, int], RankConn] = {}
+        self._by_socket: dict[zmq.Socket[bytes], tuple[SocketKind, RankConn]] = {}
         self._retry: dict[str, tuple[float, Backoff]] = {}
         self._digests: dict[tuple[str, int], tuple[int, int, bytes]] = {}
         """(ip, rank) → (gen, seq, digest) of the last payload applied by a closed session."""
@@ -260,21 +222,12 @@ class Subscriber:
             status=self.board.of(inst),
             groups=GroupSettings(*self.cfg.hybrid_settings(inst.model), max(1, inst.dp_size)),
         )
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoff_initial * 1000)))
-        cap = min(self.cfg.backoff_max, RECONNECT_MAX)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(cap * 1000)))
-        sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
-        monitor = sub.get_monitor_socket(_MONITORED)
-        conn = _Conn(stream, sub, monitor, StateLog(logger, f"publisher {stream.name}"))
+        conn = RankConn.open(stream, self.ctx, self.cfg, self.metrics)
         self._conns[(inst.ip, rank)] = conn
-        self._by_socket[sub] = (SocketKind.SUB, conn)
-        self._by_socket[monitor] = (SocketKind.MONITOR, conn)
+        self._by_socket[conn.sub] = (SocketKind.SUB, conn)
+        self._by_socket[conn.monitor] = (SocketKind.MONITOR, conn)
         self._dirty = True
-        sub.connect(rank_endpoint(inst.zmq_endpoint, rank))
-        conn.state.set(ConnState.CONNECTING, rank_endpoint(inst.zmq_endpoint, rank))
+        conn.connect()
         self.metrics.subscribed.set(len(self._conns))
 
     def _drop(self, ip: str) -> None:
@@ -286,32 +239,27 @@ class Subscriber:
         self.metrics.subscribed.set(len(self._conns))
         self._dirty = True
 
-    def _close_conn(self, conn: _Conn) -> None:
+    def _close_conn(self, conn: RankConn) -> None:
         for sock in (conn.sub, conn.monitor):
             self._by_socket.pop(sock, None)
-        if conn.connected:
-            self.metrics.connected.inc(-1)
         stream = conn.stream
         if stream.digest is not None:
             self._digests[(stream.inst.ip, stream.rank)] = (stream.inst.gen, *stream.digest)
-        stream.close()
-        conn.sub.disable_monitor()
-        conn.monitor.close(linger=0)
-        conn.sub.close(linger=0)
+        conn.close()
 
     # -- status ----------------------------------------------------------------------------
 
     def _write_status(self) -> None:
         """Write the status of every wanted instance (one pipeline, see ``status``)."""
         self._status_due = time.monotonic() + min(STATUS_INTERVAL, self.cfg.heartbeat_interval)
-        by_ip: dict[str, list[_Conn]] = {}
+        by_ip: dict[str, list[RankConn]] = {}
         for (ip, _), c in self._conns.items():
             by_ip.setdefault(ip, []).append(c)
         rounds = []
         for ip, inst in self._wanted.items():
             ranks = by_ip.get(ip)
             if ip in self._active and ranks:
-                conn = worst([c.state.state or ConnState.CONNECTING for c in ranks])
+                conn = worst([c.state for c in ranks])
                 replaying = any(c.stream.replay is not None for c in ranks)
                 resyncing = any(c.stream.resyncing for c in ranks)
                 rounds.append(ConnRound(inst, conn, inst.zmq_endpoint, replaying, resyncing))
@@ -364,18 +312,18 @@ class Subscriber:
     def _dispatch(self, sock: zmq.Socket[bytes]) -> None:
         kind, conn = self._by_socket[sock]
         if kind is SocketKind.SUB:
-            self._guarded(conn, lambda: self._read_live(conn))
+            self._guarded(conn, conn.read_live)
         elif kind is SocketKind.MONITOR:
-            self._guarded(conn, lambda: self._read_monitor(conn))
+            self._guarded(conn, conn.read_monitor)
         else:
             self._guarded(conn, lambda: self._read_replay(conn, sock))
 
-    def _read_replay(self, conn: _Conn, sock: zmq.Socket[bytes]) -> None:
+    def _read_replay(self, conn: RankConn, sock: zmq.Socket[bytes]) -> None:
         replay = conn.stream.replay
         if replay is not None and replay.socket is sock and replay.read():
             conn.stream.finish_replay()
 
-    def _guarded(self, conn: _Conn, action: Callable[[], None]) -> None:
+    def _guarded(self, conn: RankConn, action: Callable[[], None]) -> None:
         """Run a stream action; on a Redis or ZMQ failure or fencing, close the instance and
         retry it later (never raise: the other instances keep being served)."""
         before = (conn.stream.paused, conn.stream.replay)
@@ -393,43 +341,3 @@ class Subscriber:
             return
         if (conn.stream.paused, conn.stream.replay) != before:
             self._dirty = True
-
-    def _read_live(self, conn: _Conn) -> None:
-        for _ in range(DRAIN_MAX):
-            if conn.stream.paused:
-                return
-            try:
-                frames = conn.sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            item = parse_live(frames)
-            if item is None:
-                self.metrics.malformed_frames.inc(reason="framing")
-                logger.error(
-                    "%s: dropped a message of %d frames (want topic, seq, payload)",
-                    conn.stream.name,
-                    len(frames),
-                )
-                continue
-            conn.stream.on_live(*item)
-
-    def _read_monitor(self, conn: _Conn) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(conn.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            code = event["event"]
-            if code == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                conn.state.set(ConnState.CONNECTED, str(event["endpoint"]))
-                if not conn.connected:
-                    conn.connected = True
-                    self.metrics.connected.inc(1)
-                conn.stream.on_connected()
-            elif code == zmq.EVENT_DISCONNECTED:
-                conn.state.set(ConnState.DISCONNECTED, "libzmq reconnects", logging.WARNING)
-                if conn.connected:
-                    conn.connected = False
-                    self.metrics.connected.inc(-1)
-            elif code == zmq.EVENT_CONNECT_RETRIED:
-                conn.state.set(ConnState.UNREACHABLE, "retrying", logging.WARNING)

@@ -2,9 +2,9 @@
 segment) or the pool holds (scope pool), as sorted arrays the writer compares by digest.
 
 Group 0 is the :class:`Blocks` itself (``per_ip``/``pool``), so a single-group master's
-result is exactly what it was before groups were sets; groups ≥ 1 are in ``groups``, each a
-:class:`Blocks` of the same shape. :func:`collect` builds it from the index's completeness
-verdict; its single-group branch is the original loop, unchanged in cost.
+result has no group layer at all; groups ≥ 1 are in ``groups``, each a :class:`Blocks` of the
+same shape. :func:`collect` builds it from the index's completeness verdict; a single-group
+master takes its own branch, one loop over the complete keys, with no per-group lookups.
 """
 
 from __future__ import annotations

@@ -28,10 +28,11 @@ after the last ``@`` is the decimal layer id, not the hash.
 hashes of hybrid models); the integer vLLM's KV events and this project's API use is its
 low 64 bits, ``int(hex[-16:], 16)``.
 
-Pure functions, no I/O. The poller's hot path is :func:`split_key`'s first branch, inlined
-in :meth:`MasterIndex.feed` (bytes in, no regex unless the prefix is new), which calls
-:func:`split_layer_tail` for the rest, plus :func:`parse_prefix` once per distinct
-(prefix, layer tail).
+Pure functions, no I/O. The poller's hot path, :meth:`MasterIndex.feed`, splits a key's
+``@{hex}`` tail itself (bytes in, no regex unless the prefix is new), calls
+:func:`split_layer_tail` for any other tail and :func:`parse_prefix` once per distinct
+(prefix, layer tail). The readable one-call versions it must agree with are test oracles
+(``tests/keys_oracle.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ FAMILIES = KEY_FORMATS
 
 _RANKS = r"@tp_rank:(\d+)@pcp(\d+)@dcp(\d+)@pp_rank:(\d+)(?:@group:(\d+))?"
 _PREFIX = re.compile(r"(?P<head>.+?)" + _RANKS)
-_KEY = re.compile(r"(?P<head>.+?)" + _RANKS + r"@(?P<hex>[0-9a-f]{16,})")
 _ASCEND = re.compile(
     r"(?P<model>.+?)@pcp(?P<pcp>\d+)@dcp(?P<dcp>\d+)@head_or_tp_rank:(?P<head>\d+)"
     r"(?:@pp_rank:(?P<pp>\d+))?"
@@ -101,20 +101,6 @@ class AscendNamespace(NamedTuple):
 AnyNamespace = Namespace | AscendNamespace
 
 
-class ParsedKey(NamedTuple):
-    head: str
-    tp: int
-    pcp: int
-    dcp: int
-    pp: int
-    group: int
-    hash_u64: int
-
-    @property
-    def namespace(self) -> Namespace:
-        return Namespace(*self[:6])
-
-
 def hash_u64(hex_digest: str | bytes) -> int:
     """vLLM's KV-event integer of a block hash: its last 8 bytes, big-endian, unsigned."""
     return int(hex_digest[-16:], 16)
@@ -123,14 +109,6 @@ def hash_u64(hex_digest: str | bytes) -> int:
 def _namespace(m: re.Match[str]) -> Namespace:
     g = m.groups()
     return Namespace(m["head"], int(g[1]), int(g[2]), int(g[3]), int(g[4]), int(g[5] or 0))
-
-
-def parse_key(key: str) -> ParsedKey | None:
-    """Parse one vLLM (in-tree) store key; ``None`` for anything else."""
-    m = _KEY.fullmatch(key)
-    if m is None:
-        return None
-    return ParsedKey(*_namespace(m), hash_u64(m["hex"]))
 
 
 def _ascend(prefix: str, layer: str) -> AscendNamespace | None:
@@ -168,25 +146,14 @@ def parse_prefix(
     prefix: str, layer: str = "", formats: tuple[str, ...] = FAMILIES
 ) -> AnyNamespace | None:
     """Parse a key without its ``@{hex}`` (and without ``@{layer}`` after it, passed as
-    ``layer``: what :func:`split_key` returns). Only the families in ``formats``."""
+    ``layer``: the old layer-wise tail, ``""`` for any other key). Only the families in
+    ``formats``."""
     if "vllm-ascend" in formats and "@head_or_tp_rank:" in prefix:
         return _ascend(prefix, layer)
     if "vllm" in formats and not layer:
         m = _PREFIX.fullmatch(prefix)
         return None if m is None else _namespace(m)
     return None
-
-
-def split_key(key: bytes) -> tuple[bytes, bytes, int] | None:
-    """``b"<prefix>@<hex>"`` → (prefix, b"", u64); ``b"<prefix>@<hex>@<layer>"`` (old
-    layer-wise) → (prefix, layer, u64); ``None`` when neither tail shape is there."""
-    prefix, sep, tail = key.rpartition(b"@")
-    if not sep or not prefix:
-        return None
-    if HASH_HEX.fullmatch(tail) is not None:
-        return prefix, b"", int(tail[-16:], 16)
-    layered = split_layer_tail(prefix, tail)
-    return None if layered is None else (layered[0], tail, int(layered[1][-16:], 16))
 
 
 def split_layer_tail(prefix: bytes, layer: bytes) -> tuple[bytes, bytes] | None:

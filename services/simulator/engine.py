@@ -27,7 +27,6 @@ import zmq
 
 from common import hit_rule
 from common.blockhash import BlockHasher, HashSettings, parse_vllm_version
-from common.events import Event
 from services.simulator.ascend import ConnectorEvents
 from services.simulator.cache_model import PrefixCacheModel, Request
 from services.simulator.hybrid_model import HybridCacheModel
@@ -125,10 +124,6 @@ class SimulatedVLLM:
                 if events:
                     sent[r] = self.publishers[r].publish(events, drop=drop)
         return sent
-
-    def emit(self, events: Sequence[Event], *, rank: int = 0, drop: bool = False) -> int:
-        """Publish hand-made events (tests of odd media, groups, placeholders)."""
-        return self.publishers[rank].publish(events, drop=drop)
 
     def reset_prefix_cache(self, rank: int | None = None) -> None:
         for r in self.ranks if rank is None else [rank]:

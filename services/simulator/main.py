@@ -17,7 +17,7 @@ vLLM's events in the paired release's encoding (``--vllm-version`` defaults to 0
 vllm-ascend v0.18.0) plus its store connector's ``BlockStored(medium="cpu")`` per pooled block.
 
 ``--model-shape`` plays a hybrid model's KV-cache groups (:mod:`services.simulator.shapes`):
-``dense`` (the default: one ``full_attention`` group 0, exactly as before), ``gemma3`` (groups
+``dense`` (the default: one ``full_attention`` group 0), ``gemma3`` (groups
 0, 1 ``sliding_window`` with window 64, 2 ``full_attention``), ``qwen3next`` (0 ``mamba``,
 1 ``full_attention``) or ``gptoss`` (0 ``sliding_window`` with window 128, 1
 ``full_attention``), all at ``--block-size`` on one hash chain. Each group publishes as vLLM
@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from common import logs
 from common.lifecycle import install_signal_handlers
@@ -64,92 +65,123 @@ _EPILOG = (
 )
 
 
+# The command's options, one line each: (flag, add_argument's keywords).
+_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--endpoint", dict(default="tcp://*:5557", help="PUB endpoint (vLLM's bind/connect rule)")),
+    (
+        "--replay-endpoint",
+        dict(default="", help="replay ROUTER endpoint (always binds); '' = none"),
+    ),
+    ("--topic", dict(default="", help="topic frame (deployments use kv-events)")),
+    (
+        "--bind-host",
+        dict(
+            default="127.0.0.1",
+            help="host a wildcard endpoint binds (vLLM binds every interface: pass '*')",
+        ),
+    ),
+    (
+        "--engine",
+        dict(
+            choices=["vllm", "vllm-ascend"],
+            default="vllm",
+            help="vllm, or vllm-ascend (vLLM's events + the AscendStoreConnector's pool events)",
+        ),
+    ),
+    (
+        "--vllm-version",
+        dict(
+            help="emulated vLLM release: encoding and framing (default 0.28.0; vllm-ascend: 0.18.0)"
+        ),
+    ),
+    ("--block-size", dict(type=int, default=16)),
+    ("--num-blocks", dict(type=int, default=1024, help="GPU blocks per rank")),
+    ("--cpu-blocks", dict(type=int, default=0, help="CPU offload blocks per rank (0 = off)")),
+    ("--dp-rank", dict(type=int, help="run only this DP rank")),
+    ("--dp-size", dict(type=int, default=1, help="DP ranks to run when --dp-rank is not given")),
+    ("--buffer-steps", dict(type=int, default=10_000, help="batches kept for replay")),
+    ("--rate", dict(type=float, default=20.0, help="engine steps per second")),
+    ("--requests-per-step", dict(type=int, default=2)),
+    ("--seed", dict(type=int, default=0)),
+    ("--workload", dict(choices=KINDS, default="mixed")),
+    ("--prompts", dict(type=int, default=32, help="size of the shared-prompt pool")),
+    ("--prompt-len", dict(type=int, default=128, help="maximum prompt length in tokens")),
+    ("--hash-seed", dict(default="0", help="PYTHONHASHSEED of the simulated engine")),
+    (
+        "--warm-prompt",
+        dict(
+            type=int,
+            default=0,
+            metavar="N",
+            help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt "
+            "that stays cached, for hand-written example requests; 0 = off)",
+        ),
+    ),
+    (
+        "--warm-prompt-file",
+        dict(
+            default="",
+            metavar="F",
+            help="also serve the token ids of the JSON array in F every 5th step ('' = off)",
+        ),
+    ),
+    (
+        "--model-shape",
+        dict(
+            choices=list(SHAPES),
+            default="dense",
+            help="KV-cache groups to play: dense (one full_attention group), gemma3 (2 "
+            "sliding_window w64 + full_attention), qwen3next (mamba + full_attention), gptoss "
+            "(sliding_window w128 + full_attention); hybrids need --vllm-version >= 0.22",
+        ),
+    ),
+    (
+        "--prefill-chunk",
+        dict(
+            type=int,
+            default=0,
+            metavar="N",
+            help="hybrid shapes: prefill in chunks of N tokens, a multiple of --block-size "
+            "(0 = a prompt at once)",
+        ),
+    ),
+    (
+        "--hash-algo",
+        dict(
+            default="sha256_cbor",
+            choices=("sha256_cbor", "sha256"),
+            help="--prefix-caching-hash-algo of the simulated engine",
+        ),
+    ),
+    ("--duration", dict(type=float, default=0.0, help="seconds to run (0 = until stopped)")),
+    (
+        "--linger",
+        dict(
+            type=float,
+            default=0.0,
+            help="after the run, keep the sockets open (serving replay) for this many seconds",
+        ),
+    ),
+    (
+        "--drop-every",
+        dict(type=int, default=0, help="drop every K-th batch from the live stream"),
+    ),
+    ("--restart-after", dict(type=int, default=0, help="restart once after N steps")),
+    ("--reset-every", dict(type=int, default=0, help="reset the prefix cache every N steps")),
+    ("--state-file", dict(default="", help="write the true cache state here (JSON)")),
+    ("--log-level", dict(default="info")),
+)
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="cache-indexer simulate-vllm", description=__doc__.split("\n")[0], epilog=_EPILOG
     )
-    a = p.add_argument
-    a("--endpoint", default="tcp://*:5557", help="PUB endpoint (vLLM's bind/connect rule)")
-    a("--replay-endpoint", default="", help="replay ROUTER endpoint (always binds); '' = none")
-    a("--topic", default="", help="topic frame (deployments use kv-events)")
-    a(
-        "--bind-host",
-        default="127.0.0.1",
-        help="host a wildcard endpoint binds (vLLM binds every interface: pass '*')",
-    )
-    a(
-        "--engine",
-        choices=["vllm", "vllm-ascend"],
-        default="vllm",
-        help="vllm, or vllm-ascend (vLLM's events + the AscendStoreConnector's pool events)",
-    )
-    a(
-        "--vllm-version",
-        default=None,
-        help="emulated vLLM release: encoding and framing (default 0.28.0; vllm-ascend: 0.18.0)",
-    )
-    a("--block-size", type=int, default=16)
-    a("--num-blocks", type=int, default=1024, help="GPU blocks per rank")
-    a("--cpu-blocks", type=int, default=0, help="CPU offload blocks per rank (0 = off)")
-    a("--dp-rank", type=int, default=None, help="run only this DP rank")
-    a("--dp-size", type=int, default=1, help="DP ranks to run when --dp-rank is not given")
-    a("--buffer-steps", type=int, default=10_000, help="batches kept for replay")
-    a("--rate", type=float, default=20.0, help="engine steps per second")
-    a("--requests-per-step", type=int, default=2)
-    a("--seed", type=int, default=0)
-    a("--workload", choices=KINDS, default="mixed")
-    a("--prompts", type=int, default=32, help="size of the shared-prompt pool")
-    a("--prompt-len", type=int, default=128, help="maximum prompt length in tokens")
-    a("--hash-seed", default="0", help="PYTHONHASHSEED of the simulated engine")
-    a(
-        "--warm-prompt",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also serve the prompt of token ids 1..N every 5th step (a well-known prompt that "
-        "stays cached, for hand-written example requests; 0 = off)",
-    )
-    a(
-        "--warm-prompt-file",
-        default="",
-        metavar="F",
-        help="also serve the token ids of the JSON array in F every 5th step ('' = off)",
-    )
-    a(
-        "--model-shape",
-        choices=list(SHAPES),
-        default="dense",
-        help="KV-cache groups to play: dense (one full_attention group), gemma3 (2 "
-        "sliding_window w64 + full_attention), qwen3next (mamba + full_attention), gptoss "
-        "(sliding_window w128 + full_attention); hybrids need --vllm-version >= 0.22",
-    )
-    a(
-        "--prefill-chunk",
-        type=int,
-        default=0,
-        metavar="N",
-        help="hybrid shapes: prefill in chunks of N tokens, a multiple of --block-size "
-        "(0 = a prompt at once)",
-    )
-    a(
-        "--hash-algo",
-        default="sha256_cbor",
-        choices=("sha256_cbor", "sha256"),
-        help="--prefix-caching-hash-algo of the simulated engine",
-    )
-    a("--duration", type=float, default=0.0, help="seconds to run (0 = until stopped)")
-    a(
-        "--linger",
-        type=float,
-        default=0.0,
-        help="after the run, keep the sockets open (serving replay) for this many seconds",
-    )
-    a("--drop-every", type=int, default=0, help="drop every K-th batch from the live stream")
-    a("--restart-after", type=int, default=0, help="restart once after N steps")
-    a("--reset-every", type=int, default=0, help="reset the prefix cache every N steps")
-    a("--state-file", default="", help="write the true cache state here (JSON)")
-    a("--log-level", default="info")
+    for flag, keywords in _OPTIONS:
+        p.add_argument(flag, **keywords)
     args = p.parse_args(argv)
+    if args.vllm_version is None:
+        args.vllm_version = ASCEND_VLLM if args.engine == "vllm-ascend" else "0.28.0"
     try:
         args.warm_tokens = _read_prompt(args.warm_prompt_file)
     except (OSError, ValueError) as exc:
@@ -157,30 +189,33 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _simulator(args: argparse.Namespace, ranks: list[int]) -> SimulatedVLLM:
+    """The simulated engine the arguments describe (``ValueError`` if they do not fit)."""
+    return SimulatedVLLM(
+        args.endpoint,
+        args.replay_endpoint,
+        args.topic,
+        vllm_version=args.vllm_version,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        ranks=ranks,
+        buffer_steps=args.buffer_steps,
+        cpu_blocks=args.cpu_blocks,
+        hash_seed=args.hash_seed,
+        hash_algo=args.hash_algo,
+        bind_host=args.bind_host,
+        engine=args.engine,
+        model_shape=args.model_shape,
+        prefill_chunk=args.prefill_chunk,
+    )
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    if args.vllm_version is None:
-        args.vllm_version = ASCEND_VLLM if args.engine == "vllm-ascend" else "0.28.0"
     logs.configure(args.log_level)
     ranks = [args.dp_rank] if args.dp_rank is not None else list(range(args.dp_size))
     try:
-        sim = SimulatedVLLM(
-            args.endpoint,
-            args.replay_endpoint,
-            args.topic,
-            vllm_version=args.vllm_version,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            ranks=ranks,
-            buffer_steps=args.buffer_steps,
-            cpu_blocks=args.cpu_blocks,
-            hash_seed=args.hash_seed,
-            hash_algo=args.hash_algo,
-            bind_host=args.bind_host,
-            engine=args.engine,
-            model_shape=args.model_shape,
-            prefill_chunk=args.prefill_chunk,
-        )
+        sim = _simulator(args, ranks)
     except ValueError as exc:
         print(f"simulate-vllm: {exc}", file=sys.stderr)
         return 2

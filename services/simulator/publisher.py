@@ -101,20 +101,16 @@ class Publisher:
         self, events: Sequence[Event], *, ts: float | None = None, drop: bool = False
     ) -> int:
         """Queue one batch; ``drop`` keeps it for replay but never sends it live (a gap)."""
-        with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
-            payload = encode_batch(
-                events,
-                ts=time.time() if ts is None else ts,
-                data_parallel_rank=self.dp_rank,
-                vllm_version=self.vllm_version,
-            )
-            self._queue.put((seq, payload, drop))
-        return seq
+        payload = encode_batch(
+            events,
+            ts=time.time() if ts is None else ts,
+            data_parallel_rank=self.dp_rank,
+            vllm_version=self.vllm_version,
+        )
+        return self.publish_payload(payload, drop=drop)
 
     def publish_payload(self, payload: bytes, *, drop: bool = False) -> int:
-        """Queue an already encoded payload (captured frames, malformed input for tests)."""
+        """Queue an encoded batch (or captured frames, or malformed input in tests)."""
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1

@@ -23,7 +23,8 @@ from common.errors import ConfigError
 from common import shell
 from common.redis_client import Client, connect, describe
 from common.settings import instance_limits
-from common.status_report import HashCheck, InstanceState, StatusReader, build_report
+from common.status_report import HashCheck, InstanceState, build_report
+from common.store_status import StatusReader
 
 _RED, _YELLOW, _RESET = "\033[31m", "\033[33m", "\033[0m"
 _BAD_STATES = {

@@ -30,9 +30,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -46,6 +43,8 @@ from common.blockhash import BlockHasher, HashSettings
 from common.lifecycle import install_signal_handlers
 from services.simulator.shapes import state_hit_tokens
 from services.simulator.workload import Workload
+from services.tools.local_stack_l3 import run_l3_side, start_l3_side
+from services.tools.local_stack_processes import Processes, cli, wait_http
 
 logger = logging.getLogger(__name__)
 
@@ -67,54 +66,6 @@ ASCEND = {  # pod → (vLLM release its vllm-ascend pairs with, Mooncake key spe
     "pod-a": ("0.18.0", {"engine": "vllm-ascend", "tp": 2, "form": "A"}),
     "pod-b": ("0.13.0", {"engine": "vllm-ascend", "tp": 2, "form": "E-LW", "layers": 24}),
 }
-
-
-class Processes:
-    """Children started by this stack; stopped in reverse order, by PID, on exit."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def spawn(
-        self,
-        name: str,
-        argv: list[str],
-        env: dict[str, str] | None = None,
-        stdout: int | None = None,
-    ) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            argv,
-            stdout=stdout or log,
-            stderr=log,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.procs.append((name, proc))
-        logger.info("started %s (pid %d): logs in %s", name, proc.pid, log.name)
-        return proc
-
-    def dead(self) -> list[str]:
-        return [name for name, p in self.procs if p.poll() is not None]
-
-    def stop_all(self, timeout: float = 10.0) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s (pid %d) did not stop: killing it", name, proc.pid)
-                proc.kill()
-                proc.wait()
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
 
 
 def _write_config(
@@ -175,105 +126,40 @@ def _example(workdir: Path) -> tuple[list[int], dict[str, list[str]]]:
     return example, puts
 
 
-def _start_l3_side(
-    procs: Processes,
-    workdir: Path,
-    config: Path,
-    master_port: int,
-    puts: dict[str, list[str]],
-    engine: str,
-) -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("mooncake_master"):
-        logger.warning(
-            "L3 side left out: needs root, unshare and the Mooncake wheel "
-            "(scripts/setup.sh installs it); L3 ratios will be 0"
-        )
-        return False
-    for name, _, _, _ in PODS:
-        spec: dict[str, Any] = {"model": MODEL, "tp": 1}
-        if engine == "vllm-ascend":
-            spec.update(ASCEND[name][1])
-        (workdir / f"{name}.blocks.json").write_text(
-            json.dumps({**spec, "hashes": puts[name]}), encoding="utf-8"
-        )
-    inner = _cli(
-        "local-stack", "--l3-side", "--workdir", str(workdir), "--master-port", str(master_port)
-    )
-    script = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in inner)
-    env = dict(
-        os.environ,
-        CACHE_INDEXER_CONFIG=str(config),
-        CACHE_INDEXER_REDIS_URL=f"unix://{workdir}/redis.sock?db=0",
-    )
-    procs.spawn("l3-netns", ["unshare", "-n", "sh", "-c", script], env=env)
-    return True
-
-
-def _run_l3_side(workdir: Path, master_port: int, stop: threading.Event) -> int:
-    """Inside the private netns: master, one store client per pod, the L3 poller."""
-    procs = Processes(workdir)
-    rpc = f"127.0.0.1:{master_port + 1}"
-    try:
-        procs.spawn(
-            "mooncake-master",
-            [
-                shutil.which("mooncake_master") or "mooncake_master",
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={master_port + 1}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={master_port}",
-                "--enable_metric_reporting=false",
-                "--logtostderr",
-            ],
-        )
-        _wait_http(f"http://127.0.0.1:{master_port}/health", 30, stop)
-        for name, ip, _, _ in PODS:
-            procs.spawn(
-                f"mooncake-{name}",
-                [
-                    sys.executable,
-                    "-m",
-                    "services.tools.mooncake_pods",
-                    "--ip",
-                    ip,
-                    "--master",
-                    rpc,
-                    "--blocks",
-                    str(workdir / f"{name}.blocks.json"),
-                ],
-            )
-        procs.spawn("l3-poll", _cli("l3-poll"))
-        while not stop.wait(1.0):
-            if procs.dead():
-                logger.error("stopped unexpectedly: %s", ", ".join(procs.dead()))
-                return 1
-        return 0
-    finally:
-        procs.stop_all()
-
-
-def _wait_http(url: str, timeout: float, stop: threading.Event) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not stop.is_set():
-        try:
-            resp = httpx.get(url, timeout=1.0)
-            if resp.status_code == 200:
-                return resp
-        except httpx.HTTPError:
-            pass
-        stop.wait(0.2)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout:.0f}s")
-
-
 def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[list[int], bool]:
     redis_port, master_port = args.redis_port, args.master_port
     example, puts = _example(workdir)
+    _start_redis(procs, workdir, redis_port)
+    config = _write_config(workdir, redis_port, args.port, master_port, True)
+    env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config))
+    for name, _, version, seed in PODS:
+        if args.engine == "vllm-ascend":
+            version = ASCEND[name][0]
+        procs.spawn(
+            name, _simulator(workdir, name, version, seed, "--engine", args.engine), env=env
+        )
+    prompt = workdir / "example-prompt.json"
+    prompt.write_text(json.dumps(example), encoding="utf-8")
+    for name, _, version, seed, shape in HYBRID_PODS:
+        hybrid = ("--model-shape", shape, "--warm-prompt-file", str(prompt))
+        procs.spawn(name, _simulator(workdir, name, version, seed, *hybrid), env=env)
+    procs.spawn("discovery", cli("discovery"), env=env)
+    procs.spawn("l1-ingest", cli("l1-ingest"), env=env)
+    procs.spawn("api", cli("api"), env=env)
+    with_l3 = start_l3_side(procs, workdir, config, master_port, _pod_blocks(puts, args.engine))
+    if not with_l3:
+        _write_config(workdir, redis_port, args.port, master_port, False)
+    return example, with_l3
+
+
+def _start_redis(procs: Processes, workdir: Path, port: int) -> None:
+    """The stack's redis-server: loopback ``port`` and ``redis.sock`` (for the L3 side)."""
     procs.spawn(
         "redis",
         [
             shutil.which("redis-server") or "redis-server",
             "--port",
-            str(redis_port),
+            str(port),
             "--bind",
             "127.0.0.1",
             "--save",
@@ -288,42 +174,21 @@ def _start(procs: Processes, args: argparse.Namespace, workdir: Path) -> tuple[l
             str(workdir),
         ],
     )
-    config = _write_config(workdir, redis_port, args.port, master_port, True)
-    env = dict(os.environ, CACHE_INDEXER_CONFIG=str(config))
-    for name, _, version, seed in PODS:
-        if args.engine == "vllm-ascend":
-            version = ASCEND[name][0]
-        procs.spawn(
-            name, _simulator(workdir, name, version, seed, "--engine", args.engine), env=env
-        )
-    prompt = workdir / "example-prompt.json"
-    prompt.write_text(json.dumps(example), encoding="utf-8")
-    for name, _, version, seed, shape in HYBRID_PODS:
-        procs.spawn(
-            name,
-            _simulator(
-                workdir,
-                name,
-                version,
-                seed,
-                "--model-shape",
-                shape,
-                "--warm-prompt-file",
-                str(prompt),
-            ),
-            env=env,
-        )
-    procs.spawn("discovery", _cli("discovery"), env=env)
-    procs.spawn("l1-ingest", _cli("l1-ingest"), env=env)
-    procs.spawn("api", _cli("api"), env=env)
-    with_l3 = _start_l3_side(procs, workdir, config, master_port, puts, args.engine)
-    if not with_l3:
-        _write_config(workdir, redis_port, args.port, master_port, False)
-    return example, with_l3
+
+
+def _pod_blocks(puts: dict[str, list[str]], engine: str) -> dict[str, dict[str, Any]]:
+    """Dense pod name → what its Mooncake store client puts: the key spec and the hashes."""
+    blocks = {}
+    for name, _, _, _ in PODS:
+        spec: dict[str, Any] = {"model": MODEL, "tp": 1}
+        if engine == "vllm-ascend":
+            spec.update(ASCEND[name][1])
+        blocks[name] = {**spec, "hashes": puts[name]}
+    return blocks
 
 
 def _simulator(workdir: Path, name: str, version: str, seed: int, *extra: str) -> list[str]:
-    return _cli(
+    return cli(
         "simulate-vllm",
         *extra,
         "--endpoint",
@@ -387,7 +252,7 @@ def _show_example(
     }
     path = workdir / "example-request.json"
     path.write_text(json.dumps(request), encoding="utf-8")
-    _wait_http(f"http://127.0.0.1:{port}/readyz", 60, stop)
+    wait_http(f"http://127.0.0.1:{port}/readyz", 60, stop)
     url = f"http://127.0.0.1:{port}/kv-cache/hit-rate"
     answer: Any = None
     expected: dict[str, int] = {}
@@ -437,7 +302,8 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     install_signal_handlers(stop)
     if args.l3_side:
-        return _run_l3_side(workdir, args.master_port, stop)
+        pods = [(name, ip) for name, ip, _, _ in PODS]
+        return run_l3_side(workdir, args.master_port, pods, stop)
     procs = Processes(workdir)
     try:
         example, with_l3 = _start(procs, args, workdir)

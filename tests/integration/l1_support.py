@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import zmq
 
 from common.blockhash import HashSettings
 from common.config import parse_duration
+from common.events import Event
 from common.settings import L1IngestSettings
 from common.store import Instance, Store
 from services.l1_ingest.metrics import IngestMetrics
@@ -158,6 +160,11 @@ def register(
     return gen
 
 
+def emit(sim: SimulatedVLLM, events: Sequence[Event], *, rank: int = 0, drop: bool = False) -> int:
+    """Publish hand-made events on ``sim``'s rank (odd media, groups, placeholders)."""
+    return sim.publishers[rank].publish(events, drop=drop)
+
+
 def true_counts(sim: SimulatedVLLM) -> Counter[int]:
     total: Counter[int] = Counter()
     for model in sim.models.values():
@@ -192,7 +199,7 @@ def warm_up(store: Store, ip: str, sim: SimulatedVLLM, timeout: float = 10.0) ->
     def joined() -> bool:
         pending = [r for r in sim.ranks if store.last_seq(ip, r) is None]
         for r in pending:
-            sim.emit([AllBlocksCleared()], rank=r)
+            emit(sim, [AllBlocksCleared()], rank=r)
         return not pending
 
     wait_for(joined, timeout=timeout, interval=0.05, what=f"{ip} to join the stream")

@@ -26,6 +26,7 @@ from services.simulator.workload import Workload
 from tests.conftest import DATA, RedisServer, reserve_ports, wait_for
 from tests.integration.l1_support import (
     InProcessIngester,
+    emit,
     assert_exact,
     l1_config,
     register,
@@ -79,7 +80,7 @@ def drive(
         # The last step was dropped: nothing later reveals that gap unless a batch follows
         # (as vLLM's next step would), so send each rank an empty live batch.
         for rank in sim.ranks:
-            sim.emit([], rank=rank)
+            emit(sim, [], rank=rank)
     return served
 
 
@@ -121,7 +122,8 @@ def test_event_semantics_copies_media_groups_and_bad_input(
         kw.setdefault("medium", "GPU")
         return BlockStored([h], None, list(range(16)), 16, **kw)  # type: ignore[arg-type]
 
-    sim.emit(
+    emit(
+        sim,
         [
             stored(1),
             stored(1),
@@ -133,7 +135,7 @@ def test_event_semantics_copies_media_groups_and_bad_input(
             ),
             BlockStored([6], None, [], 0, medium="GPU"),
             BlockRemoved([1], medium="GPU"),
-        ]
+        ],
     )
     wait_quiet(store, IP, sim)
     assert store.tier_counts(IP, "l1") == {1: 1, 2: 1}  # stored twice, removed once: held
@@ -163,13 +165,13 @@ def test_event_semantics_copies_media_groups_and_bad_input(
     )
     sim.publishers[0].publish_payload(good)
     not_a_batch = sim.publishers[0].publish_payload(b"\xc1garbage")
-    sim.emit([BlockRemoved([2], medium="GPU")])
+    emit(sim, [BlockRemoved([2], medium="GPU")])
     wait_quiet(store, IP, sim)
     assert store.tier_members(IP, "l1") == {7}
     assert ing.count("events", type="unknown", outcome="skipped:unknown_type") == 1
     assert ing.count("malformed_frames", reason="not_a_batch") == 1
     assert store.l1_state(IP).get("gap:0") is None, f"seq {not_a_batch} must not be a gap"
-    sim.emit([AllBlocksCleared()])
+    emit(sim, [AllBlocksCleared()])
     wait_quiet(store, IP, sim)
     assert store.tier_members(IP, "l1") == set() and store.tier_members(IP, "l2") == {3}
 
@@ -209,11 +211,11 @@ def test_unrecoverable_gaps_follow_the_policy(
     warm_up(store, IP, sim)
     gaps_before = ing.count("gaps", outcome="unrecoverable")
     flagged_before = int(store.l1_state(IP).get("gap:0", 0))
-    sim.emit([BlockStored([11], None, [1] * 16, 16, medium="GPU")])
+    emit(sim, [BlockStored([11], None, [1] * 16, 16, medium="GPU")])
     wait_quiet(store, IP, sim)
     for h in (12, 13, 14):
-        sim.emit([BlockStored([h], None, [1] * 16, 16, medium="GPU")], drop=True)
-    sim.emit([BlockStored([15], None, [1] * 16, 16, medium="GPU")])
+        emit(sim, [BlockStored([h], None, [1] * 16, 16, medium="GPU")], drop=True)
+    emit(sim, [BlockStored([15], None, [1] * 16, 16, medium="GPU")])
     wait_quiet(store, IP, sim)
     assert ing.count("gaps", outcome="unrecoverable") == gaps_before + 1
     if policy == "keep":  # kept and flagged; replay still delivered what it had (14)
@@ -245,7 +247,7 @@ def test_publisher_restart_drops_the_old_index(
         def detected() -> bool:
             if ing.count("restarts") >= 1:
                 return True
-            sim.emit([AllBlocksCleared()])
+            emit(sim, [AllBlocksCleared()])
             return False
 
         wait_for(detected, interval=0.05, what="the restart to be detected")
@@ -442,9 +444,9 @@ def test_unconnectable_replay_endpoint_applies_the_gap_policy(
         return [BlockStored([h], None, [1] * 16, 16, medium="GPU")]
 
     for first in (11, 21):  # two gaps: each applied by the policy, replay reported once
-        broken.emit(stored(first))
-        broken.emit(stored(first + 1), drop=True)
-        broken.emit(stored(first + 2))
+        emit(broken, stored(first))
+        emit(broken, stored(first + 1), drop=True)
+        emit(broken, stored(first + 2))
         drive(good, 4, drop_every=2)
         wait_quiet(store, IP, broken)
     assert store.tier_members(IP, "l1") == {11, 13, 21, 23}
@@ -490,7 +492,7 @@ def test_joining_a_trimmed_replay_buffer_is_an_unrecoverable_gap(
     store = OracleStore(redis_client)
     sim = make_sim(buffer_steps=3)
     for h in range(1, 7):  # seqs 0..5 before anyone listens; replay keeps 3..5
-        sim.emit([BlockStored([h], None, [h] * 16, 16, medium="GPU")])
+        emit(sim, [BlockStored([h], None, [h] * 16, 16, medium="GPU")])
     sim.flush()
     ing = ingester(onUnrecoverableGap=policy)
     register(store, IP, sim)

@@ -31,6 +31,7 @@ namespace), a slow API.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import shutil
 import subprocess
 import sys
@@ -265,12 +266,22 @@ def _names(exprs: list[str]) -> set[str]:
     return {n for e in exprs for n, _ in selectors(e)}
 
 
+_ASKED = itertools.count()
+
+
 def _hit_rate(api: int) -> None:
+    """A hit-rate question with a request id, and the outcome report of the previous one
+    (recorded by now): the audit's series exist too."""
+    n = next(_ASKED)
     body = {
         "server_ip": [A, B, C],
+        "request_id": f"stack-{n}",
         "body": {"token_ids": list(range(1, 65)), "block_size": BLOCK, "cache_salt": ""},
     }
     httpx.post(f"http://127.0.0.1:{api}/kv-cache/hit-rate", json=body, timeout=5)
+    if n:
+        report = {"request_id": f"stack-{n - 1}", "server_ip": A, "cached_tokens": 0}
+        httpx.post(f"http://127.0.0.1:{api}/kv-cache/outcome", json=report, timeout=5)
     httpx.get(f"http://127.0.0.1:{api}/kv-cache/instances", timeout=5)
 
 

@@ -29,7 +29,7 @@ from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "cache-indexer"
-CONFIG_SECTIONS = ("http", "log", "blockKey", "discovery", "ingest")
+CONFIG_SECTIONS = ("http", "log", "blockKey", "discovery", "ingest", "audit")
 # Config keys the chart does not expose: static discovery is for compose / bare metal, and
 # in a pod the in-cluster credentials are used.
 NOT_IN_VALUES = {"discovery.static", "discovery.kubeconfig"}

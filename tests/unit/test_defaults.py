@@ -24,7 +24,7 @@ from services.api.transport.deadlines import Limits as WorkerLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUES = yaml.safe_load((ROOT / "charts" / "cache-indexer" / "values.yaml").read_text())
-CONFIG_SECTIONS = ("http", "log", "blockKey", "discovery", "ingest")
+CONFIG_SECTIONS = ("http", "log", "blockKey", "discovery", "ingest", "audit")
 # Where the chart means another value than the file's default, and why.
 CHART_DIFFERS = {
     "http.addr": "",  # filled in from service.targetPort by the ConfigMap template

@@ -26,7 +26,7 @@ from services.l1_ingest.apply import (
 )
 from services.l1_ingest.replay import END_SEQ, parse_reply
 from services.l1_ingest.stream import rank_endpoint
-from services.l1_ingest.subscriber import parse_live
+from services.l1_ingest.rank_conn import parse_live
 
 
 def stored(hashes: list[int], medium: str | None = "GPU", **kw: object) -> BlockStored:

@@ -4,6 +4,7 @@ server), counters sent as increments exactly once, and the self-check's mismatch
 from __future__ import annotations
 
 from common.blockhash import BlockHasher, HashSettings
+from common.status_report import ConnState
 from common.store import Instance, L1Status, Store
 from services.l1_ingest.hashcheck import MISMATCH, MISMATCH_HOLD, OK, HashChecker
 from services.l1_ingest.status import InstanceStatus, worst
@@ -74,5 +75,8 @@ def test_mismatch_holds_then_ok_returns() -> None:
 
 
 def test_worst_connection_state() -> None:
-    assert worst(["connected", "unreachable", "connecting"]) == "unreachable"
-    assert worst([]) == "connecting"
+    c = ConnState
+    assert worst([c.CONNECTED, c.UNREACHABLE, c.CONNECTING]) is c.UNREACHABLE
+    assert worst([c.CONNECTED, c.RETRYING, c.DISCONNECTED]) is c.RETRYING
+    assert worst([c.CONNECTED]) is c.CONNECTED
+    assert worst([]) is c.CONNECTING

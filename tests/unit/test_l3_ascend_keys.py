@@ -14,11 +14,10 @@ from services.l3_poller.keys_parser import (
     AscendNamespace,
     Namespace,
     parse_prefix,
-    split_key,
 )
 from services.l3_poller.index import MasterIndex
 from tests.conftest import DATA
-from tests.keys_oracle import parse_any
+from tests.keys_oracle import parse_any, split_key
 
 GOLDEN = json.loads((DATA / "ascend" / "golden_keys.json").read_text())
 HEX = "c855341b2e1b326d809910c2e0436b041b100e770eff5ac15ded46c5eacf99b4"

@@ -9,16 +9,13 @@ import pytest
 from common.blockhash import BlockHasher, HashSettings
 from services.l3_poller.keys_parser import (
     Namespace,
-    ParsedKey,
     hash_u64,
     host_of,
     is_url_safe,
-    parse_key,
     parse_prefix,
-    split_key,
 )
 from tests.conftest import DATA
-from tests.keys_oracle import parse_any
+from tests.keys_oracle import ParsedKey, parse_any, parse_key, split_key
 
 HEX = "15528b726efb88cb4d9efc583657a821bceb1f67307c6e813417567050a24fdc"
 U64 = 3753563854825738204  # the demo's KV-event int of HEX (spec §4.1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from common.blockhash import HashSettings
-from common.config import Config, L3Model, load_config
+from common.config import Audit, Config, Duration, L3Model, load_config
 from common.errors import ConfigError
 from common.status_report import Limits
 from common.settings import (
@@ -20,6 +20,15 @@ from common.settings import (
 
 # Every key of the original (Go) schema with a non-default value, plus this project's keys.
 FULL = """
+audit:
+  enabled: false
+  ttl: 2m
+  maxRecordsPerSecond: 50
+  queueSize: 70
+  raceWindow: 5s
+  maxReportBytes: 999
+  recent: 7
+  worstInstances: 8
 http:
   addr: "127.0.0.1:18080"
   shutdownTimeout: 11s
@@ -194,6 +203,16 @@ def test_api_settings(cfg: Config) -> None:
         hash=HashSettings(algo="sha256", seed="42", vllm_version=(0, 18, 0)),
         instance_limits=Limits(no_events_after=45.0, lease_ttl=8.0, vllm_version=(0, 18, 0)),
         log_level="debug",
+        audit=Audit(
+            enabled=False,
+            ttl=Duration(120),
+            max_records_per_second=50,
+            queue_size=70,
+            race_window=Duration(5),
+            max_report_bytes=999,
+            recent=7,
+            worst_instances=8,
+        ),
     )
 
 
