@@ -19,7 +19,8 @@
  * more, always fit.
  *
  * ci_block_chain does the whole chain: it encodes one block at a time into a scratch buffer
- * and hashes it with SHA-256 functions the caller passes in: OpenSSL's SHA256_Init/
+ * (with block 0's tail, the shared one, or since ABI 2 each block's own: LoRA, multimodal
+ * and lookahead keys differ per block) and hashes it with SHA-256 functions the caller passes in: OpenSSL's SHA256_Init/
  * SHA256_Update/SHA256_Final, from the libcrypto that Python's hashlib itself uses (this file
  * has no SHA-256 of its own, and links against nothing). ci_decimal_keys writes the Redis
  * members of the digests: the decimal of each one's last 8 bytes, big-endian.
@@ -125,7 +126,18 @@ struct chain_args {
     uint64_t scratch, scratch_cap; /* one block: 52 + 9 * block_size + the longer tail */
     uint64_t ctx;         /* >= sizeof(SHA256_CTX) bytes */
     uint64_t sha_init, sha_update, sha_final; /* SHA256_Init/Update/Final */
+    /* Optional (0: unused), since ABI 2: every block's own tail, back to back in tails;
+     * tail_ends[b] is the offset just past block b's (block 0's starts at 0). Then
+     * first_tail and tail are ignored; scratch_cap must fit the longest. */
+    uint64_t tails, tail_ends;
 };
+
+/* The layout of struct chain_args this file implements: 2 = with per-block tails. The
+ * caller checks it, so a stale build (which would ignore the tails) is never used for them. */
+int ci_abi_version(void)
+{
+    return 2;
+}
 
 /* Digests of n_blocks chained blocks. Returns 0, or -1 if a SHA-256 function is missing,
  * scratch is too small, or a SHA-256 call failed. */
@@ -142,9 +154,16 @@ int ci_block_chain(const struct chain_args *a)
     uint64_t end;
     if (!sha_init || !sha_update || !sha_final)
         return -1;
+    const uint8_t *tails = (const uint8_t *)(uintptr_t)a->tails;
+    const uint64_t *tail_ends = (const uint64_t *)(uintptr_t)a->tail_ends;
     for (size_t b = 0; b < (size_t)a->n_blocks; b++) {
         const uint8_t *tail = (const uint8_t *)(uintptr_t)(b == 0 ? a->first_tail : a->tail);
         size_t tail_len = (size_t)(b == 0 ? a->first_tail_len : a->tail_len);
+        if (tails && tail_ends) {
+            size_t start = b == 0 ? 0 : (size_t)tail_ends[b - 1];
+            tail = tails + start;
+            tail_len = (size_t)tail_ends[b] - start;
+        }
         if (ci_block_preimages(ids + b * block_size, 1, block_size, tail, tail_len, tail,
                                tail_len, scratch, (size_t)a->scratch_cap, &end) == 0)
             return -1;

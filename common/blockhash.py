@@ -24,11 +24,13 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 - A token id is anything ``operator.index`` accepts (int, bool as 0/1, numpy ints; not 1.0)
   with ``0 <= id < 2**64``; vLLM >= 0.34 keeps ids as int32, so there ``id < 2**31``.
   Anything else raises ValueError: vLLM would reject the request, so it has no cached blocks.
-- extra keys (§4.4): LoRA on every block, then the salt on block 0 only when truthy.
-  0.12-0.30 use the bare LoRA name and salt; >= 0.31 the tagged tuples
-  ``("lora", name, path)`` and ``("cache_salt", salt)`` (a LoRA path is then required).
-  0.10.2-0.11 key LoRA by the server-assigned ``lora_int_id``, which we cannot know from a
-  name, so LoRA raises ValueError there. An empty ``lora_name`` means no LoRA.
+- extra keys (§4.4; spec vllm-extra-keys.md): :mod:`common.blockhash_extra` builds each
+  block's LoRA, multimodal, salt and lookahead keys per release from a
+  :class:`~common.blockhash_extra.HashInputs`. The C chain stays the path for every request:
+  when blocks have keys of their own (items, lookahead) it takes each block's encoded keys
+  (:func:`_block_tails`; a library too old for that leaves them to the Python chain, which
+  splices each block's keys in). LoRA on 0.10.2-0.11.0
+  (keyed by the server-assigned ``lora_int_id``) raises ValueError naming the release.
 - PYTHONHASHSEED unset: vLLM < 0.29 draws a random NONE_HASH per process (ConfigError
   here); >= 0.29 uses the seed "vllm-none-hash". "" is a real seed: the empty string.
 """
@@ -36,24 +38,29 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 from __future__ import annotations
 
 import functools
+from array import array
 import hashlib
 import pickle
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from common import blockhash_cbor as cbor
+from common import blockhash_extra as extras
 from common import blockhash_native as native
+from common.blockhash_extra import ExtraKeys as ExtraKeys
+from common.blockhash_extra import HashInputs as HashInputs
+from common.blockhash_extra import MmItem as MmItem
+from common.blockhash_extra import tags_extra_keys as tags_extra_keys
 from common.errors import ConfigError
 
 ALGOS = ("sha256_cbor", "sha256")
 MIN_VLLM_VERSION = (0, 10, 2)
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM >= 0.29 when PYTHONHASHSEED is unset
 
-_TAGGED_KEYS_SINCE = (0, 31, 0)
-_LORA_NAME_SINCE = (0, 12, 0)
 _FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
 _BIG_U64 = np.dtype(">u8")
@@ -61,8 +68,6 @@ _CHUNK_TOKENS = 8192  # ids encoded at a time (measured: 4k-16k are best)
 _VERSION_RE = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
 )
-
-ExtraKeys = tuple[object, ...] | None
 
 
 def parse_vllm_version(text: str) -> tuple[int, int, int]:
@@ -125,11 +130,6 @@ def effective_seed(settings: HashSettings) -> str:
     return DEFAULT_NONE_HASH_SEED
 
 
-def tags_extra_keys(vllm_version: tuple[int, int, int]) -> bool:
-    """Whether this vLLM tags each extra key with its kind (``("lora", name, path)``...)."""
-    return vllm_version >= _TAGGED_KEYS_SINCE
-
-
 def none_hash(settings: HashSettings) -> bytes:
     """NONE_HASH, the parent digest of block 0, for these settings (32 bytes)."""
     return seed_none_hash(settings.algo, effective_seed(settings))
@@ -182,7 +182,11 @@ def _serialize(algo: str, obj: object) -> bytes:
 
 
 class BlockHasher:
-    """Block digests of token-id prompts for one deployment's HashSettings."""
+    """Block digests of token-id prompts for one deployment's HashSettings.
+
+    Every method takes the request's ``cache_salt`` and either ``lora_name``/``lora_path``
+    or ``inputs``, a :class:`~common.blockhash_extra.HashInputs` (LoRA, multimodal items,
+    lookahead); ValueError on anything vLLM could not hash or we cannot reproduce."""
 
     def __init__(self, settings: HashSettings) -> None:
         self.settings = settings
@@ -196,11 +200,13 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[bytes]:
-        """The 32-byte digest of every full block, in order."""
-        blob = self._c_digests(token_ids, block_size, cache_salt, lora_name, lora_path)
-        if blob is None:
-            return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, False)[0]
+        """The 32-byte digest of every hashed block, in order."""
+        blob = self._digest_blob(
+            token_ids, block_size, cache_salt, _inputs(lora_name, lora_path, inputs)
+        )
         return [blob[i : i + 32] for i in range(0, len(blob), 32)]
 
     def event_ints(
@@ -210,10 +216,14 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[int]:
         """The block hashes as KV events carry them (uint64 of each digest's last 8 bytes)."""
         return _event_ints(
-            self._digest_blob(token_ids, block_size, cache_salt, lora_name, lora_path)
+            self._digest_blob(
+                token_ids, block_size, cache_salt, _inputs(lora_name, lora_path, inputs)
+            )
         )
 
     def member_keys(
@@ -223,9 +233,13 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[bytes]:
         """The event ints as ASCII decimal bytes, the form stored in Redis sets."""
-        blob = self._digest_blob(token_ids, block_size, cache_salt, lora_name, lora_path)
+        blob = self._digest_blob(
+            token_ids, block_size, cache_salt, _inputs(lora_name, lora_path, inputs)
+        )
         if native.ENCODER is not None:
             return native.ENCODER.member_keys(blob)
         ints = _event_ints(blob)
@@ -239,123 +253,89 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[bytes]:
-        """The bytes that are hashed for every full block (the serialized parent, tokens and
-        extra keys), built by the same loop as ``digests``; for tests and debugging."""
-        return self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, True)[1]
+        """The bytes that are hashed for every hashed block (the serialized parent, tokens
+        and extra keys), built by the same loop as the Python chain; for tests and debugging."""
+        hash_inputs = _inputs(lora_name, lora_path, inputs)
+        _check_block_size(block_size)
+        return self._chain(token_ids, block_size, cache_salt, hash_inputs, True)[1]
 
     def _digest_blob(
         self,
         token_ids: Sequence[int],
         block_size: int,
         cache_salt: str | None,
-        lora_name: str | None,
-        lora_path: str | None,
+        inputs: HashInputs,
     ) -> bytes:
-        """Every full block's digest, back to back: straight from the C chain when it is
-        there (no per-block objects at all), else joined from :meth:`_chain`."""
-        blob = self._c_digests(token_ids, block_size, cache_salt, lora_name, lora_path)
-        if blob is None:
-            blob = b"".join(
-                self._chain(token_ids, block_size, cache_salt, lora_name, lora_path, False)[0]
-            )
-        return blob
-
-    def _c_digests(
-        self,
-        token_ids: Sequence[int],
-        block_size: int,
-        cache_salt: str | None,
-        lora_name: str | None,
-        lora_path: str | None,
-    ) -> bytes | None:
-        """The digests from one C call (every id validated first, those of the partial block
-        too), or None where the C chain does not apply (not built, no libcrypto SHA-256, or
-        the pickle algorithm)."""
+        """Every hashed block's digest, back to back: from one C call when it is there (no
+        per-block objects for a plain or LoRA-only prompt; each block's encoded keys when
+        they differ), else joined from :meth:`_chain`."""
+        _check_block_size(block_size)
         encoder = native.ENCODER
         if encoder is None or encoder.sha is None or self.settings.algo != "sha256_cbor":
-            return None
-        _check_block_size(block_size)
-        first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
+            return b"".join(self._chain(token_ids, block_size, cache_salt, inputs, False)[0])
+        # every id is validated, those of the partial block too
         words = cbor.id_words(token_ids, self._token_limit)
-        return encoder.chain(
-            words, block_size, cbor.encode(first), cbor.encode(rest), self._none_hash
-        )
+        if cache_salt is None and inputs is extras.PLAIN:  # the common case: as before
+            return encoder.chain(words, block_size, cbor.NULL, cbor.NULL, self._none_hash)
+        keys = self._plan(cast(Sequence[int], words), block_size, cache_salt, inputs)
+        if keys.uniform:
+            first, rest = cbor.encode(keys.first), cbor.encode(keys.rest)
+            return encoder.chain(words, block_size, first, rest, self._none_hash)
+        if not encoder.block_tails:  # a library built from an older _cbor_blocks.c
+            return b"".join(self._chain(token_ids, block_size, cache_salt, inputs, False)[0])
+        ids = _u64(words)[: keys.blocks * block_size]  # lookahead: the last may be left out
+        return encoder.chain(ids, block_size, b"", b"", self._none_hash, _block_tails(keys))
+
+    def _plan(
+        self,
+        ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None,
+        inputs: HashInputs,
+    ) -> extras.ExtraPlan:
+        """Every block's extra keys; ``ids`` validated already."""
+        if cache_salt is None and inputs is extras.PLAIN:  # the common case, first
+            return extras.ExtraPlan(len(ids) // block_size, None, None, {})
+        return extras.plan(self.settings.vllm_version, ids, block_size, cache_salt, inputs)
 
     def _chain(
         self,
         token_ids: Sequence[int],
         block_size: int,
         cache_salt: str | None,
-        lora_name: str | None,
-        lora_path: str | None,
+        inputs: HashInputs,
         keep: bool,
     ) -> tuple[list[bytes], list[bytes]]:
-        """(digests, preimages if ``keep`` else []) of every full block."""
-        _check_block_size(block_size)
-        first, rest = self._extra_keys(cache_salt, lora_name, lora_path)
-        # Every id is validated, but the trailing partial block is not hashed.
-        full = len(token_ids) - len(token_ids) % block_size
+        """(digests, preimages if ``keep`` else []) of every hashed block."""
         if self.settings.algo == "sha256":
             ids = cbor.plain_ids(token_ids, self._token_limit)
-            return self._pickle_chain(ids, full, block_size, first, rest, keep)
-        tails = cbor.encode(first), cbor.encode(rest)
-        return self._cbor_chain(token_ids, full, block_size, *tails, keep)
-
-    def _extra_keys(
-        self, cache_salt: str | None, lora_name: str | None, lora_path: str | None
-    ) -> tuple[ExtraKeys, ExtraKeys]:
-        """(extra keys of block 0, extra keys of every later block), per spec §4.4."""
-        if cache_salt is None and lora_name is None and lora_path is None:
-            return None, None  # the common case, first
-        for label, value in (
-            ("cache_salt", cache_salt),
-            ("lora_name", lora_name),
-            ("lora_path", lora_path),
-        ):
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{label} must be a string, not {type(value).__name__}")
-        tagged = tags_extra_keys(self.settings.vllm_version)
-        lora = self._lora_keys(lora_name, lora_path, tagged)
-        salt: list[object] = []
-        if cache_salt:  # vLLM ignores a falsy salt
-            salt = [("cache_salt", cache_salt) if tagged else cache_salt]
-        return tuple(lora + salt) or None, tuple(lora) or None
-
-    def _lora_keys(self, name: str | None, path: str | None, tagged: bool) -> list[object]:
-        if not name:
-            if path:
-                raise ValueError("lora_path was given without lora_name")
-            return []
-        if self.settings.vllm_version < _LORA_NAME_SINCE:
-            raise ValueError(
-                "vLLM < 0.12 keys LoRA blocks by the server's lora_int_id, "
-                "which cannot be derived from a LoRA name"
-            )
-        if not tagged:
-            return [name]
-        if not path:
-            raise ValueError("vLLM >= 0.31 hashes the LoRA adapter path: lora_path is required")
-        return [("lora", name, path)]
+            keys = self._plan(ids, block_size, cache_salt, inputs)
+            return self._pickle_chain(ids, block_size, keys, keep)
+        if inputs.lookahead:  # the lookahead keys hold token ids: validate them first
+            ids = cbor.plain_ids(token_ids, self._token_limit)
+            keys = self._plan(ids, block_size, cache_salt, inputs)
+        else:
+            keys = self._plan(token_ids, block_size, cache_salt, inputs)
+        return self._cbor_chain(token_ids, block_size, keys, keep)
 
     def _cbor_chain(
-        self,
-        token_ids: Sequence[int],
-        full: int,
-        block_size: int,
-        first_tail: bytes,
-        tail: bytes,
-        keep: bool,
+        self, token_ids: Sequence[int], block_size: int, keys: extras.ExtraPlan, keep: bool
     ) -> tuple[list[bytes], list[bytes]]:
         """sha256_cbor digests (and preimages if ``keep``) where the C chain is not used
-        (:meth:`_c_digests`): the C encoder with hashlib per block, else numpy with, per
+        (:meth:`_digest_blob`): the C encoder with hashlib per block, else numpy with, per
         block, one slice, one join and one sha256 (``docs/design.md``, "Block hashing")."""
         encoder = native.ENCODER
-        if encoder is not None:
+        full = keys.blocks * block_size
+        first_tail, tail = cbor.encode(keys.first), cbor.encode(keys.rest)
+        tails = None if keys.uniform else _block_tails(keys)
+        if encoder is not None and tails is None:
             return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail, keep)
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
         array_head = _array_head(block_size)
-        parent, block_tail = self._none_hash, first_tail
+        parent, index = self._none_hash, 0
         digests: list[bytes] = []
         preimages: list[bytes] = []
         append = digests.append
@@ -365,8 +345,12 @@ class BlockHasher:
             encoded, ends = encode(ids, block_size)
             start = 0
             for end in ends:
+                if tails is not None:
+                    block_tail = tails[index]
+                else:
+                    block_tail = first_tail if index == 0 else tail
                 preimage = join((head, parent, array_head, encoded[start:end], block_tail))
-                parent, block_tail, start = sha256(preimage).digest(), tail, end
+                parent, start, index = sha256(preimage).digest(), end, index + 1
                 append(parent)
                 if keep:
                     preimages.append(preimage)
@@ -403,26 +387,81 @@ class BlockHasher:
         return digests, preimages
 
     def _pickle_chain(
-        self,
-        ids: list[int],
-        full: int,
-        block_size: int,
-        first: ExtraKeys,
-        rest: ExtraKeys,
-        keep: bool,
+        self, ids: list[int], block_size: int, keys: extras.ExtraPlan, keep: bool
     ) -> tuple[list[bytes], list[bytes]]:
         """vLLM's ``sha256`` algo: pickle.dumps of the same tuple, exactly as vLLM calls it."""
         parent = self._none_hash
         digests: list[bytes] = []
         preimages: list[bytes] = []
-        for start in range(0, full, block_size):
-            block = (parent, tuple(ids[start : start + block_size]), rest if start else first)
+        for index in range(keys.blocks):
+            start = index * block_size
+            block = (parent, tuple(ids[start : start + block_size]), keys.keys(index))
             preimage = pickle.dumps(block, protocol=pickle.HIGHEST_PROTOCOL)
             parent = hashlib.sha256(preimage).digest()
             digests.append(parent)
             if keep:
                 preimages.append(preimage)
         return digests, preimages
+
+
+def _inputs(lora_name: str | None, lora_path: str | None, inputs: HashInputs | None) -> HashInputs:
+    """One HashInputs from the LoRA arguments or ``inputs`` (not both)."""
+    if inputs is None:
+        if lora_name is None and lora_path is None:
+            return extras.PLAIN
+        return HashInputs(lora_name=lora_name, lora_path=lora_path)
+    if lora_name is not None or lora_path is not None:
+        raise ValueError("give the LoRA in inputs or as lora_name/lora_path, not both")
+    return extras.PLAIN if inputs.plain else inputs
+
+
+def _block_tails(keys: extras.ExtraPlan) -> list[bytes]:
+    """The CBOR of every block's extra keys (:meth:`ExtraPlan.keys`), each block's tail."""
+    memo: dict[object, bytes] = {}
+    tails = [_encode_window(keys.rest, memo)] * keys.blocks
+    if keys.blocks:
+        tails[0] = _encode_window(keys.first, memo)
+    for index, window in keys.special.items():
+        tails[index] = _encode_window(window, memo)
+    if keys.lookahead:  # (E, *next L ids): an array head, E, then the ids
+        head, size, span = cbor.head(4, 1 + keys.lookahead), keys.block_size, keys.lookahead
+        starts = np.arange(1, keys.blocks + 1, dtype=np.int64) * size
+        where = (starts[:, None] + np.arange(span, dtype=np.int64)).ravel()
+        ids = keys.ids
+        words = _u64(ids) if isinstance(ids, array) else np.asarray(ids, dtype=np.uint64)
+        encoded = cbor.encode_uints(words[where].tolist())
+        if span > 1:
+            encoded = [b"".join(encoded[i : i + span]) for i in range(0, len(encoded), span)]
+        tails = [head + tail + look for tail, look in zip(tails, encoded, strict=True)]
+    return tails
+
+
+def _encode_window(window: ExtraKeys, memo: dict[object, bytes]) -> bytes:
+    """:func:`cbor.encode` of a window built by :func:`extras.plan` (str and int leaves
+    only, so equal keys are equal values), each key's encoding computed once per chain:
+    a multimodal key differs between blocks only in its last item, the relative offset."""
+    if window is None:
+        return cbor.NULL
+    parts = [cbor.head(4, len(window))]
+    for key in window:
+        if type(key) is tuple and type(key[-1]) is int:
+            stem = key[:-1]
+            prefix = memo.get(stem)
+            if prefix is None:
+                prefix = memo[stem] = cbor.head(4, len(key)) + b"".join(map(cbor.encode, stem))
+            parts.append(prefix + cbor.encode(key[-1]))
+        else:
+            encoded = memo.get(key)
+            if encoded is None:
+                encoded = memo[key] = cbor.encode(key)
+            parts.append(encoded)
+    return b"".join(parts)
+
+
+def _u64(words: native.IdWords) -> cbor.U64:
+    if isinstance(words, np.ndarray):
+        return words
+    return np.frombuffer(words, np.uint64) if len(words) else np.zeros(0, np.uint64)
 
 
 @functools.lru_cache(maxsize=64)

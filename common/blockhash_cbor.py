@@ -172,6 +172,11 @@ def _uint(value: int) -> bytes:
     return b"\x1b" + value.to_bytes(8, "big")
 
 
+def encode_uints(values: Sequence[int]) -> list[bytes]:
+    """Canonical CBOR of each unsigned int in ``values``."""
+    return list(map(_uint, values))
+
+
 def encode_blocks_per_id(ids: U64, block_size: int) -> tuple[bytes, list[int]]:
     """:func:`encode_blocks` one id at a time, for ids of any size (up to 2**64 - 1) and for
     short prompts, where numpy's cost per call outweighs its cost per id."""

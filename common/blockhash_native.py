@@ -20,9 +20,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import itertools
 import os
 import struct
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +35,7 @@ DISABLE_ENV = "CACHE_INDEXER_NO_NATIVE_HASH"
 PARENT_AT = 3  # the parent digest's offset in a preimage: after 0x83 0x58 0x20
 _HEAD_MAX = 3 + 32 + 9 + 8  # prefix, parent, the longest array head; 8: C's slack
 _SHA_CTX_BYTES = 256  # >= sizeof(SHA256_CTX), 112 bytes in OpenSSL 1.1 and 3.x
-_ARGS = struct.Struct("=15Q")  # struct chain_args of _cbor_blocks.c, in native byte order
+_ARGS = struct.Struct("=17Q")  # struct chain_args of _cbor_blocks.c, in native byte order
 IdWords = array | npt.NDArray[np.uint64]  # type: ignore[type-arg]
 
 
@@ -59,6 +61,10 @@ class Encoder:
         self._keys = lib.ci_decimal_keys
         self._keys.argtypes = [text, size, ptr]
         self._keys.restype = size
+        abi = getattr(lib, "ci_abi_version", None)
+        self.block_tails = abi is not None and abi() >= 2
+        """Whether :meth:`chain` takes every block's own tail (a library built from an older
+        ``_cbor_blocks.c`` would ignore them: then the caller must not pass any)."""
         self.sha: tuple[int, int, int] | None = None
         self.sha_source = ""
         found = _openssl_sha256()
@@ -66,13 +72,23 @@ class Encoder:
             self.sha, self.sha_source = found
             if not self._chain_agrees():
                 self.sha, self.sha_source = None, f"{self.sha_source} disagreed with hashlib"
+            elif self.block_tails and not self._tails_agree():
+                self.block_tails = False
 
     def chain(
-        self, ids: IdWords, block_size: int, first_tail: bytes, tail: bytes, parent: bytes
+        self,
+        ids: IdWords,
+        block_size: int,
+        first_tail: bytes,
+        tail: bytes,
+        parent: bytes,
+        tails: Sequence[bytes] | None = None,
     ) -> bytes:
         """The 32-byte digests of every full block of ``ids``, back to back, chained from
         ``parent``, in one C call (only when :attr:`sha` is set). ``ids`` is an
-        ``array("Q")`` or a C-contiguous native uint64 numpy array."""
+        ``array("Q")`` or a C-contiguous native uint64 numpy array. Block 0 ends with
+        ``first_tail`` and every other with ``tail``, or block ``i`` with ``tails[i]`` when
+        given (one per block; only where :attr:`block_tails`)."""
         if self.sha is None:
             raise RuntimeError("no SHA-256 functions for the C chain")
         blocks = len(ids) // block_size
@@ -81,12 +97,20 @@ class Encoder:
         if not isinstance(ids, array):
             ids = np.ascontiguousarray(ids, np.uint64)  # kept in ``ids`` until the call ends
         address = ids.buffer_info()[0] if isinstance(ids, array) else ids.ctypes.data
+        own = b""
+        if tails is not None:
+            if not self.block_tails or len(tails) != blocks:
+                raise RuntimeError("per-block tails need ABI 2 and one tail per block")
+            own = b"".join(tails)
+            ends = array("Q", itertools.accumulate(map(len, tails)))
+            first_tail = max(tails, key=len)  # only sizes the scratch block
         cap = _block_cap(block_size, first_tail, tail)
-        # one buffer: the packed arguments, the parent, the tails, the digests, the SHA-256
-        # context, the block being hashed (every field starts on an 8-byte boundary)
-        tails = len(first_tail) + len(tail)
+        # one buffer: the packed arguments, the parent, the tails, each block's tail end, the
+        # digests, the SHA-256 context, the block being hashed (fields 8-byte aligned)
         at_tails = _ARGS.size + 32
-        at_digests = at_tails + tails + 7 & ~7
+        at_own = at_tails + len(first_tail) + len(tail)
+        at_ends = at_own + len(own) + 7 & ~7
+        at_digests = at_ends + (8 * blocks if own else 0)
         at_ctx = at_digests + 32 * blocks
         at_scratch = at_ctx + _SHA_CTX_BYTES
         work = ctypes.create_string_buffer(at_scratch + cap)
@@ -107,9 +131,13 @@ class Encoder:
             cap,
             base + at_ctx,
             *self.sha,
+            base + at_own if own else 0,
+            base + at_ends if own else 0,
         )
-        header = parent + first_tail + tail
+        header = parent + first_tail + tail + own
         struct.pack_into(f"{len(header)}s", work, _ARGS.size, header)
+        if own:
+            ctypes.memmove(base + at_ends, ends.buffer_info()[0], 8 * blocks)
         if self._chain(work) != 0:
             raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
         return ctypes.string_at(base + at_digests, 32 * blocks)
@@ -145,6 +173,23 @@ class Encoder:
             if got != want:
                 return False
         return True
+
+    def _tails_agree(self) -> bool:
+        """The chain with every block's own tail against hashlib, block by block."""
+        ids = np.arange(1000, 1032, dtype=np.uint64)
+        tails = [b"\xf6", b"\x81\x61a", b"\x82\xf6\x05", b"\x81\x25"] * 2
+        link = hashlib.sha256(b"self-test").digest()
+        try:
+            got = self.chain(ids, 4, b"", b"", link, tails)
+        except RuntimeError:
+            return False
+        want = b""
+        for b, tail in enumerate(tails):
+            buffer, ends = self.preimages(ids[4 * b : 4 * b + 4], 4, tail, tail)
+            buffer[PARENT_AT : PARENT_AT + 32] = link
+            link = hashlib.sha256(buffer[: ends[0]]).digest()
+            want += link
+        return got == want
 
     def preimages(
         self, ids: npt.NDArray[np.uint64], block_size: int, first_tail: bytes, tail: bytes

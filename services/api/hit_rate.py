@@ -17,6 +17,8 @@ refused before reading, and a chunked body is read at most ``limit + 1`` bytes.
 Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configured vLLM can
 hold: ``[0, 2**64)``, or ``[0, 2**31)`` for vLLM >= 0.34 (:mod:`common.blockhash` decides,
 for the partial tail block too); anything else is a 400, as vLLM would refuse the prompt.
+The optional ``lora_name``, ``lora_path`` and ``mm_features`` (:mod:`services.api.request_inputs`)
+key every chain the request hashes; without them the hasher is called exactly as before.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import numpy as np
 import orjson
 import redis
 
+from common.blockhash_extra import PLAIN, HashInputs
 from common.config import HTTP
 from common.errors import RequestError
+from services.api import request_inputs
 from services.api.api_metrics import ApiMetrics
 from services.api.scoring import Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
 
@@ -42,7 +46,7 @@ logger = logging.getLogger(__name__)
 PATH = "/kv-cache/hit-rate"
 _READ_CHUNK = 64 * 1024
 _TOP_FIELDS = ("server_ip", "body")
-_BODY_FIELDS = ("token_ids", "cache_salt", "block_size")
+_BODY_FIELDS = ("token_ids", "cache_salt", "block_size", *request_inputs.FIELDS)
 _BODY_REQUIRED = ("token_ids", "block_size")
 DEFAULT_MAX_CANDIDATES = HTTP().max_candidates
 LOOKUPS_PER_CANDIDATE = 4096
@@ -54,7 +58,12 @@ class Hasher(Protocol):
     """What the API needs of :class:`common.blockhash.BlockHasher`."""
 
     def member_keys(
-        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        *,
+        inputs: HashInputs | None = None,
     ) -> list[bytes]: ...
 
 
@@ -64,6 +73,7 @@ class HitRateRequest:
     token_ids: Sequence[int]  # usually an array("Q") (:func:`_token_ids`)
     block_size: int
     cache_salt: str | None  # "" in the request means no salt: stored as None
+    inputs: HashInputs = PLAIN  # LoRA and multimodal items (:mod:`services.api.request_inputs`)
 
 
 def read_body(req: falcon.Request, limit: int) -> bytes:
@@ -86,9 +96,14 @@ def read_body(req: falcon.Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> HitRateRequest:
+def parse_request(
+    raw: bytes,
+    max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    vllm_version: tuple[int, ...] = (0, 28, 0),
+) -> HitRateRequest:
     """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid,
-    including more than ``max_candidates`` distinct ``server_ip`` values."""
+    including more than ``max_candidates`` distinct ``server_ip`` values, and LoRA or
+    multimodal fields the configured ``vllm_version`` cannot hash."""
     if not raw.strip():
         raise _bad("the request body is empty")
     try:
@@ -118,7 +133,9 @@ def parse_request(raw: bytes, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> H
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    request = HitRateRequest(ips, _token_ids(body["token_ids"], raw), block_size, salt or None)
+    token_ids = _token_ids(body["token_ids"], raw)
+    inputs = request_inputs.parse_inputs(body, len(token_ids), vllm_version)
+    request = HitRateRequest(ips, token_ids, block_size, salt or None, inputs)
     _check_lookups(request, max_candidates)
     return request
 
@@ -228,10 +245,12 @@ def score(
     (:mod:`services.api.scoring`)."""
     views = views if views is not None else ViewCache()
     chains: dict[int, Sequence[bytes]] = {}
+    # LoRA and items only when given: a plain request calls the hasher exactly as before
+    extra = {} if request.inputs is PLAIN else {"inputs": request.inputs}
 
     def chain(unit: int) -> Sequence[bytes]:
         if unit not in chains:  # hashes every full unit, range-checks every id
-            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt)
+            chains[unit] = hasher.member_keys(request.token_ids, unit, request.cache_salt, **extra)
             metrics.hashed_blocks.inc(len(chains[unit]))
         return chains[unit]
 
@@ -336,7 +355,9 @@ class HitRateResource:
         self.views = ViewCache()
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = parse_request(read_body(req, self.body_limit), self.max_candidates)
+        request = parse_request(
+            read_body(req, self.body_limit), self.max_candidates, self.vllm_version
+        )
         detail = req.get_param_as_bool("detail", default=False)
         scores = score(
             request,

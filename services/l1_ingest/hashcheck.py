@@ -24,9 +24,14 @@ event's ``block_hashes``:
   (burst one second). When the bucket is empty an event costs one comparison.
 * Extra keys come from the event (``extra_keys``, vLLM >= 0.17, one entry per hash; else
   ``lora_name`` on every block). The "untagged" rule (vLLM 0.12–0.30) hashes them as
-  published; the "tagged" rule (>= 0.31) hashes ``("cache_salt", s)``, ``("mm", id, off)``,
+  published (LoRA name, multimodal identifier or ``(identifier, offset)``, salt); the
+  "tagged" rule (>= 0.31) hashes ``("cache_salt", s)``, ``("mm", id, off)``,
   ``("prompt_embeds", d)`` and needs the LoRA path, which events do not carry: such blocks
-  are left unchecked.
+  are counted unchecked (``lora_path``), never a mismatch. With ``lookahead_token_ids``
+  (vLLM >= 0.33 speculative decoding) each block hashes ``(keys, *its lookahead tokens)``.
+  Releases before 0.17 publish no extra keys (before 0.14 not even the LoRA name): once a
+  block verified (seed and algo are right), a mismatch no alternative setting explains is
+  counted unchecked (``extra_keys_unpublished``: a multimodal item or salt we cannot see).
 * The verdict is ``ok`` once a block verified, ``mismatch`` for :data:`MISMATCH_HOLD` seconds
   after a block did not (``unchecked`` before either).
 * On a mismatch it searches the plausible alternatives (the configured and common seeds,
@@ -73,6 +78,8 @@ OK, MISMATCH, UNCHECKED = HashCheck.OK, HashCheck.MISMATCH, HashCheck.UNCHECKED
 _ROOT_KINDS = frozenset({None, *FULL_ATTENTION_KINDS})
 """Kinds whose null parent is the chain root (``None``: versions that send no kind)."""
 UNTAGGED, TAGGED = "untagged", "tagged"
+EXTRA_KEYS_PUBLISHED_SINCE = (0, 17, 0)
+"""The first vLLM whose BlockStored carries each block's extra keys (``extra_keys``)."""
 VERIFIED_MAX = 4096
 """Verified digests kept per instance (parents that later events may chain from)."""
 SEARCH_INTERVAL = 300.0
@@ -122,7 +129,18 @@ class Uncheckable(Exception):
 
 
 def hash_side_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKeys]:
-    """The extra keys vLLM hashed for each block of ``event``, under an extra-key rule."""
+    """The extra keys vLLM hashed for each block of ``event``, under an extra-key rule; with
+    ``lookahead_token_ids`` (vLLM >= 0.33) each block's ``(keys, *lookahead tokens)``."""
+    keys = _published_keys(event, rule, at_root)
+    lookahead = event.lookahead_token_ids
+    if lookahead is None:
+        return keys
+    if len(lookahead) != len(keys):
+        raise Uncheckable("lookahead_misaligned")
+    return [(k, *tokens) for k, tokens in zip(keys, lookahead, strict=True)]
+
+
+def _published_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKeys]:
     n = len(event.block_hashes)
     if event.extra_keys is None:
         if not event.lora_name:
@@ -191,6 +209,7 @@ class HashChecker:
         self.unit = hash_unit
         """The hash unit the checks chain at: configured, else the GCD of block sizes seen."""
         self.version = ".".join(map(str, settings.vllm_version))
+        self._keys_unpublished = settings.vllm_version < EXTRA_KEYS_PUBLISHED_SINCE
         self.expected = expected_candidate(settings)
         self._capacity = max(1.0, self.rate)
         self._tokens, self._last = self._capacity, clock()
@@ -257,7 +276,11 @@ class HashChecker:
         if size % unit or len(event.token_ids) % unit:
             self._skip("span_not_whole_units")
             return
-        if any(k is not None for k in (event.extra_keys or [])) or event.lora_name:
+        if (
+            any(k is not None for k in (event.extra_keys or []))
+            or event.lora_name
+            or event.lookahead_token_ids
+        ):
             self._skip("sparse_extra_keys")
             return
         try:
@@ -344,38 +367,44 @@ class HashChecker:
     # -- mismatch --------------------------------------------------------------------------
 
     def _on_mismatch(self, event: BlockStored, parent: bytes, index: int) -> None:
+        unit = None if self.configured_unit else self._finer_unit(event, parent, index)
+        hint = None if unit is not None else self._explain(event, parent, index)
+        if unit is None and hint is None and self.ok and self._keys_unpublished:
+            # Blocks verified already, so seed and algo are right; a release that does not
+            # publish extra keys hides a multimodal item, a salt or (< 0.14) a LoRA here.
+            self._skip("extra_keys_unpublished")
+            return
         self.mismatch += 1
         self._mismatch_at = self.clock()
         if self.metrics is not None:
             self.metrics.hash_checks.inc(result=MISMATCH)
+        self._set(MISMATCH, self._mismatch_detail(event, unit, hint))
+
+    def _mismatch_detail(self, event: BlockStored, unit: int | None, hint: Candidate | None) -> str:
         keyed = any(k is not None for k in (event.extra_keys or [])) or bool(event.lora_name)
-        unit = None if self.configured_unit else self._finer_unit(event, parent, index)
-        hint = None if unit is not None else self._explain(event, parent, index)
         if unit is not None:
-            detail = (
+            return (
                 f"the engine hashes at a prefix-match unit of {unit} tokens (vLLM's "
                 f"--prefix-match-unit), finer than the block size {event.block_size}: "
                 f"set ingest.l1.prefixMatchUnit: {unit}"
             )
-        elif hint is not None:
+        if hint is not None:
             if hint != self.hint and self.metrics is not None:
                 self.metrics.hash_check_hints.inc(
                     seed=hint.seed, algo=hint.algo, extra_keys=hint.rule
                 )
             self.hint = hint
-            detail = (
+            return (
                 f"the engine hashes with {hint.describe(keyed)}; the config says "
                 f"{self._config_text(hint)}"
             )
-        elif self.hint is not None and self.verdict == MISMATCH:
-            detail = self.detail  # the last explanation still stands until a search says else
-        else:
-            detail = (
-                "no plausible setting reproduces the engine's hashes: PYTHONHASHSEED may "
-                "be unset on a vLLM < 0.29 engine (random per process), or an unknown "
-                f"seed is used; the config says {self.expected.describe(keyed)}"
-            )
-        self._set(MISMATCH, detail)
+        if self.hint is not None and self.verdict == MISMATCH:
+            return self.detail  # the last explanation still stands until a search says else
+        return (
+            "no plausible setting reproduces the engine's hashes: PYTHONHASHSEED may "
+            "be unset on a vLLM < 0.29 engine (random per process), or an unknown "
+            f"seed is used; the config says {self.expected.describe(keyed)}"
+        )
 
     def _finer_unit(self, event: BlockStored, parent: bytes, index: int) -> int | None:
         """The largest unit below the block size at which block ``index``'s published value
@@ -383,6 +412,8 @@ class HashChecker:
         size = event.block_size
         tokens = event.token_ids[index * size : (index + 1) * size]
         if len(tokens) != size or event.extra_keys or event.lora_name:
+            return None
+        if event.lookahead_token_ids:
             return None
         want = hash_to_int(event.block_hashes[index])
         for unit in sorted((d for d in range(1, size) if size % d == 0), reverse=True)[:16]:

@@ -12,15 +12,17 @@ import ctypes
 import hashlib
 import os
 import random
+import shutil
 import subprocess
 import sys
 from array import array
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common import blockhash_native as native
-from common.blockhash import BlockHasher, HashSettings
+from common.blockhash import BlockHasher, HashInputs, HashSettings, MmItem
 from tests.conftest import ROOT, require
 
 
@@ -122,3 +124,60 @@ def test_member_keys_in_c_match_python_formatting() -> None:
     digests = b"".join(rng.randbytes(24) + v.to_bytes(8, "big") for v in values)
     assert encoder.member_keys(digests) == [b"%d" % v for v in values]
     assert encoder.member_keys(b"") == []
+
+
+def test_chain_with_per_block_tails_matches_hashlib() -> None:
+    """ABI 2: every block ends with its own tail (LoRA, multimodal, lookahead keys)."""
+    encoder = _encoder()
+    require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
+    assert encoder.block_tails, "the built library is not ABI 2: rebuild _cbor_blocks.c"
+    rng = random.Random(31)
+    ids = np.array([rng.randrange(2**20) for _ in range(16 * 9 + 3)], np.uint64)
+    tails = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) for _ in range(9)]
+    parent = hashlib.sha256(b"p").digest()
+    got = encoder.chain(ids, 16, b"", b"", parent, tails)
+    want, link = b"", parent
+    for b, tail in enumerate(tails):
+        buffer, ends = encoder.preimages(ids[16 * b : 16 * b + 16], 16, tail, tail)
+        buffer[native.PARENT_AT : native.PARENT_AT + 32] = link
+        link = hashlib.sha256(buffer[: ends[0]]).digest()
+        want += link
+    assert got == want
+    with pytest.raises(RuntimeError, match="one tail per block"):
+        encoder.chain(ids, 16, b"", b"", parent, tails[:-1])
+
+
+@pytest.mark.parametrize("mutation", ["no_abi", "tails_ignored"])
+def test_a_library_that_cannot_take_block_tails_is_not_given_any(
+    tmp_path: Path, mutation: str
+) -> None:
+    """A library built from an older _cbor_blocks.c (no ci_abi_version) or one that claims
+    ABI 2 but ignores the tails is never given per-block tails: keyed requests then hash in
+    Python, still exactly."""
+    cc = shutil.which("cc")
+    require(cc is not None, "no C compiler to build a mutated library")
+    assert cc is not None
+    source = (ROOT / "common" / "_cbor_blocks.c").read_text()
+    if mutation == "no_abi":
+        source = source.replace("int ci_abi_version(void)", "static int unused_abi(void)")
+    else:
+        source = source.replace("if (tails && tail_ends) {", "if (0) {")
+    (tmp_path / "lib.c").write_text(source)
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "lib.so"), str(tmp_path / "lib.c")],
+        check=True,
+    )
+    mutated = native.Encoder(str(tmp_path / "lib.so"))
+    require(mutated.sha is not None, f"no libcrypto SHA-256: {native.status()}")
+    assert mutated.block_tails is False
+    hasher = BlockHasher(HashSettings(vllm_version=(0, 34, 0)))
+    inputs = HashInputs("a", "/p", (MmItem("img", 20, 30),))
+    tokens = list(range(100))
+    want = hasher.digests(tokens, 16, inputs=inputs)
+    saved = native.ENCODER
+    native.ENCODER = mutated
+    try:
+        assert hasher.digests(tokens, 16, inputs=inputs) == want
+        assert hasher.digests(tokens, 16) == BlockHasher(hasher.settings).digests(tokens, 16)
+    finally:
+        native.ENCODER = saved
