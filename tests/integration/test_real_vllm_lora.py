@@ -12,8 +12,6 @@ itself, and cache-indexer's processes, in a private network namespace: about 60 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,17 +30,9 @@ TIMEOUT = 900
 ADAPTERS = ("lora-a", "lora-b")
 
 
-def _netns_missing() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare/ip are not installed (util-linux, iproute2)"
-    if os.geteuid() != 0:
-        return "the engine's private network namespace needs root"
-    return None
-
-
 @pytest.fixture(scope="module")
 def run() -> dict[str, Any]:
-    missing = ve.engine_missing() or _netns_missing()
+    missing = ve.engine_missing() or ve.netns_missing()
     require(missing is None, f"{missing} (scripts/setup.sh installs it)")
     proc = subprocess.run(
         ["unshare", "-n", "sh", "-c", f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],
