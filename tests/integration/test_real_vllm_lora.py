@@ -66,6 +66,13 @@ def test_every_lora_answer_is_the_engines_hit(run: dict[str, Any]) -> None:
         assert any(r["key"] == key and r["cached_tokens"] > 0 for r in rows), key
 
 
+def test_the_engine_names_lora_blocks_as_the_project_hashes_them(run: dict[str, Any]) -> None:
+    """After each request the engine's BlockStored events held all of its full blocks under
+    the hashes ``common.blockhash`` computes for its LoRA inputs (vLLM 0.32's rules)."""
+    missed = [r for r in run["rows"] if not r["held"]]
+    assert not missed, _table(missed)
+
+
 @pytest.mark.parametrize(
     ("asked", "held"),
     [

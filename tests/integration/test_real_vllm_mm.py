@@ -71,6 +71,13 @@ def test_every_image_prompt_answer_is_the_engines_hit(run: dict[str, Any]) -> No
     assert any(r["mode"] == "text" and r["cached_tokens"] > 0 for r in rows), _table(rows)
 
 
+def test_the_engine_names_mm_blocks_as_the_project_hashes_them(run: dict[str, Any]) -> None:
+    """After each request the engine's BlockStored events held all of its full blocks under
+    the hashes ``common.blockhash`` computes for its image inputs (vLLM 0.32's rules)."""
+    missed = [r for r in run["rows"] if not r["held"]]
+    assert not missed, _table(missed)
+
+
 def test_the_index_was_asked_with_the_engines_own_expansion(run: dict[str, Any]) -> None:
     """The engine's final token ids and placeholder ranges (``return_token_ids``) are what
     the index was asked with: for ``uuid`` requests vLLM's processor placed the image."""

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +48,11 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from common.blockhash import BlockHasher, HashSettings  # noqa: E402
+from common.blockhash_extra import HashInputs  # noqa: E402
 from tests.conftest import RedisServer, wait_for  # noqa: E402
 from tests.integration import vllm_engine as ve  # noqa: E402
-from tests.integration.vllm_engine_driver import IP, Run, predict, workload  # noqa: E402
+from tests.integration.vllm_engine_driver import IP, predict, workload  # noqa: E402
+from tests.integration.vllm_keyed_run import KeyedRun  # noqa: E402
 
 MODEL = "dense"
 RANK = 8
@@ -138,32 +138,14 @@ def write_adapter(directory: Path, base_model: Path, seed: int) -> Path:
     return directory
 
 
-# -- the keyed hasher -------------------------------------------------------------------
-
-
-class KeyedHasher:
-    """``event_ints``/``digests`` of one key (base or an adapter's name and path), for
-    :meth:`Run.settle`'s "are the previous prompt's blocks held" wait."""
-
-    def __init__(self, hasher: BlockHasher, name: str | None, path: str | None) -> None:
-        self.hasher, self.name, self.path = hasher, name, path
-
-    def event_ints(self, prompt: Sequence[int], block_size: int) -> list[int]:
-        return self.hasher.event_ints(prompt, block_size, lora_name=self.name, lora_path=self.path)
-
-    def digests(self, prompt: Sequence[int], block_size: int) -> list[bytes]:
-        return self.hasher.digests(prompt, block_size, lora_name=self.name, lora_path=self.path)
-
-
 # -- the run ----------------------------------------------------------------------------
 
 
-class LoraRun(Run):
+class LoraRun(KeyedRun):
     """The dense model's :class:`Run` with LoRA enabled and two static adapters."""
 
     def __init__(self, tmp: Path, redis_url: str) -> None:
         super().__init__(MODEL, tmp, redis_url)
-        self.hasher_0_32 = BlockHasher(HashSettings(vllm_version=(0, 32, 0)))
         adapters = self.tmp / "adapters"
         model_dir = self.tmp / MODEL
         # key → (lora_name, lora_path as vLLM gets it: verbatim, what it hashes)
@@ -173,7 +155,6 @@ class LoraRun(Run):
             "lora-b": ("lora-b", str(write_adapter(adapters / "b", model_dir, 2)) + "/"),
         }
         self.repointed = str(write_adapter(adapters / "a2", model_dir, 3))
-        self.previous_key = BASE
 
     def _spawn(self, log: str, argv: list[str], env: dict[str, str]) -> Any:
         if log == "engine.log":
@@ -234,8 +215,6 @@ class LoraRun(Run):
         previous: list[int] | None,
         answered: float,
     ) -> dict[str, Any]:
-        name, path = self.keys[self.previous_key]
-        self.hasher = KeyedHasher(self.hasher_0_32, name, path)  # type: ignore[assignment]
         note = self.settle(previous, answered)
         score = self.ask_index_body(self.body(prompt, key))
         others = {
@@ -245,7 +224,8 @@ class LoraRun(Run):
         }
         others.update(self._variants(prompt, key))
         cached = self.ask_engine_as(prompt, key)
-        self.previous_key = key
+        name, path = self.keys[key]
+        self.previous_inputs = HashInputs(lora_name=name, lora_path=path)
         return {
             "i": i,
             "phase": phase,

@@ -23,7 +23,6 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,12 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from common.blockhash import BlockHasher, HashSettings  # noqa: E402
 from common.blockhash_extra import HashInputs, MmItem  # noqa: E402
 from tests.conftest import RedisServer, wait_for  # noqa: E402
 from tests.integration import vllm_engine as ve  # noqa: E402
 from tests.integration import vllm_mm_engine as mm  # noqa: E402
-from tests.integration.vllm_engine_driver import IP, Run, predict  # noqa: E402
+from tests.integration.vllm_engine_driver import IP, predict  # noqa: E402
+from tests.integration.vllm_keyed_run import KeyedRun  # noqa: E402
 
 MODEL = "blip2"
 IDS = ("img-0", "img-1", "img-2")
@@ -47,19 +46,6 @@ Q = mm.QUERY_TOKENS
 
 Item = tuple[str, int]  # (identifier, offset); length is always Q
 Req = dict[str, Any]  # mode ("features" | "uuid" | "text"), tokens (expanded), item
-
-
-class InputsHasher:
-    """``event_ints``/``digests`` under fixed extra inputs, for :meth:`Run.settle`."""
-
-    def __init__(self, hasher: BlockHasher, inputs: HashInputs) -> None:
-        self.hasher, self.inputs = hasher, inputs
-
-    def event_ints(self, prompt: Sequence[int], block_size: int) -> list[int]:
-        return self.hasher.event_ints(prompt, block_size, inputs=self.inputs)
-
-    def digests(self, prompt: Sequence[int], block_size: int) -> list[bytes]:
-        return self.hasher.digests(prompt, block_size, inputs=self.inputs)
 
 
 def inputs_of(item: Item | None) -> HashInputs:
@@ -130,14 +116,12 @@ def _variant(rng: random.Random, base: Req) -> Req:
     return {"mode": mode, "tokens": tokens[: ve.MAX_MODEL_LEN - 8], "item": (ident, offset)}
 
 
-class MmRun(Run):
+class MmRun(KeyedRun):
     """The BLIP-2 engine's :class:`Run`: its tokenizer files, the token-in endpoint."""
 
     def __init__(self, tmp: Path, redis_url: str) -> None:
         super().__init__(MODEL, tmp, redis_url)
-        self.hasher_0_32 = BlockHasher(HashSettings(vllm_version=(0, 32, 0)))
         self.pixels = mm.encoded_pixels(sorted(SEEDS.values()))
-        self.previous_item: Item | None = None
 
     def _spawn(self, log: str, argv: list[str], env: dict[str, str]) -> Any:
         if log == "engine.log":
@@ -208,7 +192,6 @@ class MmRun(Run):
         previous: list[int] | None = None
         answered = time.monotonic()
         for i, req in enumerate(plan(seed)):
-            self.hasher = InputsHasher(self.hasher_0_32, inputs_of(self.previous_item))  # type: ignore[assignment]
             note = self.settle(previous, answered)
             score = self.ask(req["tokens"], req["item"])
             others = self.others(req)
@@ -229,7 +212,7 @@ class MmRun(Run):
                     **note,
                 }
             )
-            previous, self.previous_item = req["tokens"], req["item"]
+            previous, self.previous_inputs = req["tokens"], inputs_of(req["item"])
         assert self.capture is not None
         self.capture.wait_quiet(answered)
         return {"rows": rows}
