@@ -28,8 +28,8 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
   block's LoRA, multimodal, salt and lookahead keys per release from a
   :class:`~common.blockhash_extra.HashInputs`. The C chain stays the path for every request:
   when blocks have keys of their own (items, lookahead) it takes each block's encoded keys
-  (:func:`_block_tails`; a library too old for that leaves them to the Python chain, which
-  splices each block's keys in). LoRA on 0.10.2-0.11.0
+  (:func:`~common.blockhash_extra.block_tails`; a library too old for that leaves them to
+  the Python chain, which splices each block's keys in). LoRA on 0.10.2-0.11.0
   (keyed by the server-assigned ``lora_int_id``) raises ValueError naming the release.
 - PYTHONHASHSEED unset: vLLM < 0.29 draws a random NONE_HASH per process (ConfigError
   here); >= 0.29 uses the seed "vllm-none-hash". "" is a real seed: the empty string.
@@ -38,7 +38,6 @@ Decisions (vLLM behaviour the index must mirror, or input we refuse):
 from __future__ import annotations
 
 import functools
-from array import array
 import hashlib
 import pickle
 import re
@@ -287,7 +286,7 @@ class BlockHasher:
         if not encoder.block_tails:  # a library built from an older _cbor_blocks.c
             return b"".join(self._chain(token_ids, block_size, cache_salt, inputs, False)[0])
         ids = _u64(words)[: keys.blocks * block_size]  # lookahead: the last may be left out
-        return encoder.chain(ids, block_size, b"", b"", self._none_hash, _block_tails(keys))
+        return encoder.chain(ids, block_size, b"", b"", self._none_hash, extras.block_tails(keys))
 
     def _plan(
         self,
@@ -330,7 +329,7 @@ class BlockHasher:
         encoder = native.ENCODER
         full = keys.blocks * block_size
         first_tail, tail = cbor.encode(keys.first), cbor.encode(keys.rest)
-        tails = None if keys.uniform else _block_tails(keys)
+        tails = None if keys.uniform else extras.block_tails(keys)
         if encoder is not None and tails is None:
             return self._native_chain(encoder, token_ids, full, block_size, first_tail, tail, keep)
         sha256, join, head = hashlib.sha256, b"".join, cbor.PREIMAGE_HEAD
@@ -413,49 +412,6 @@ def _inputs(lora_name: str | None, lora_path: str | None, inputs: HashInputs | N
     if lora_name is not None or lora_path is not None:
         raise ValueError("give the LoRA in inputs or as lora_name/lora_path, not both")
     return extras.PLAIN if inputs.plain else inputs
-
-
-def _block_tails(keys: extras.ExtraPlan) -> list[bytes]:
-    """The CBOR of every block's extra keys (:meth:`ExtraPlan.keys`), each block's tail."""
-    memo: dict[object, bytes] = {}
-    tails = [_encode_window(keys.rest, memo)] * keys.blocks
-    if keys.blocks:
-        tails[0] = _encode_window(keys.first, memo)
-    for index, window in keys.special.items():
-        tails[index] = _encode_window(window, memo)
-    if keys.lookahead:  # (E, *next L ids): an array head, E, then the ids
-        head, size, span = cbor.head(4, 1 + keys.lookahead), keys.block_size, keys.lookahead
-        starts = np.arange(1, keys.blocks + 1, dtype=np.int64) * size
-        where = (starts[:, None] + np.arange(span, dtype=np.int64)).ravel()
-        ids = keys.ids
-        words = _u64(ids) if isinstance(ids, array) else np.asarray(ids, dtype=np.uint64)
-        encoded = cbor.encode_uints(words[where].tolist())
-        if span > 1:
-            encoded = [b"".join(encoded[i : i + span]) for i in range(0, len(encoded), span)]
-        tails = [head + tail + look for tail, look in zip(tails, encoded, strict=True)]
-    return tails
-
-
-def _encode_window(window: ExtraKeys, memo: dict[object, bytes]) -> bytes:
-    """:func:`cbor.encode` of a window built by :func:`extras.plan` (str and int leaves
-    only, so equal keys are equal values), each key's encoding computed once per chain:
-    a multimodal key differs between blocks only in its last item, the relative offset."""
-    if window is None:
-        return cbor.NULL
-    parts = [cbor.head(4, len(window))]
-    for key in window:
-        if type(key) is tuple and type(key[-1]) is int:
-            stem = key[:-1]
-            prefix = memo.get(stem)
-            if prefix is None:
-                prefix = memo[stem] = cbor.head(4, len(key)) + b"".join(map(cbor.encode, stem))
-            parts.append(prefix + cbor.encode(key[-1]))
-        else:
-            encoded = memo.get(key)
-            if encoded is None:
-                encoded = memo[key] = cbor.encode(key)
-            parts.append(encoded)
-    return b"".join(parts)
 
 
 def _u64(words: native.IdWords) -> cbor.U64:

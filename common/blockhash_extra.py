@@ -30,8 +30,13 @@ hasher can run the common keys through the C chain and splice in only the others
 from __future__ import annotations
 
 import operator
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from common import blockhash_cbor as cbor
 
 ExtraKeys = tuple[object, ...] | None
 Version = tuple[int, int, int]
@@ -238,3 +243,49 @@ def _mm_keys(
                 key = identifier
             out.setdefault(i, []).append(key)
     return out
+
+
+def block_tails(keys: ExtraPlan) -> list[bytes]:
+    """Each block's tail for the C chain: the CBOR of its extra keys (:meth:`ExtraPlan.keys`)."""
+    memo: dict[object, bytes] = {}
+    tails = [_encode_window(keys.rest, memo)] * keys.blocks
+    if keys.blocks:
+        tails[0] = _encode_window(keys.first, memo)
+    for index, window in keys.special.items():
+        tails[index] = _encode_window(window, memo)
+    if keys.lookahead:  # (E, *next L ids): an array head, E, then the ids
+        head, size, span = cbor.head(4, 1 + keys.lookahead), keys.block_size, keys.lookahead
+        starts = np.arange(1, keys.blocks + 1, dtype=np.int64) * size
+        where = (starts[:, None] + np.arange(span, dtype=np.int64)).ravel()
+        ids = keys.ids
+        if isinstance(ids, array):
+            words = np.frombuffer(ids, np.uint64) if len(ids) else np.zeros(0, np.uint64)
+        else:
+            words = np.asarray(ids, dtype=np.uint64)
+        encoded = cbor.encode_uints(words[where].tolist())
+        if span > 1:
+            encoded = [b"".join(encoded[i : i + span]) for i in range(0, len(encoded), span)]
+        tails = [head + tail + look for tail, look in zip(tails, encoded, strict=True)]
+    return tails
+
+
+def _encode_window(window: ExtraKeys, memo: dict[object, bytes]) -> bytes:
+    """:func:`cbor.encode` of a window built by :func:`plan` (str and int leaves
+    only, so equal keys are equal values), each key's encoding computed once per chain:
+    a multimodal key differs between blocks only in its last item, the relative offset."""
+    if window is None:
+        return cbor.NULL
+    parts = [cbor.head(4, len(window))]
+    for key in window:
+        if type(key) is tuple and type(key[-1]) is int:
+            stem = key[:-1]
+            prefix = memo.get(stem)
+            if prefix is None:
+                prefix = memo[stem] = cbor.head(4, len(key)) + b"".join(map(cbor.encode, stem))
+            parts.append(prefix + cbor.encode(key[-1]))
+        else:
+            encoded = memo.get(key)
+            if encoded is None:
+                encoded = memo[key] = cbor.encode(key)
+            parts.append(encoded)
+    return b"".join(parts)

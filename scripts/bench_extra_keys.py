@@ -5,13 +5,17 @@ real Store and BlockHasher, vLLM 0.34.0 keys) driven by ``falcon.testing``, 8 ca
 each holding the prompt's chain plus 20,000 unrelated members. Per prompt size it times,
 interleaved, ``--requests`` requests of
 
-- ``plain``: token ids and block size only (what every caller sends today);
+- ``plain``: token ids and block size only (what every caller sends today; every candidate
+  holds the whole chain);
+- ``salted``: the same with a ``cache_salt``: a chain no candidate holds (the control for
+  the next, whose chain no candidate holds either);
 - ``lora+4mm``: the same with ``lora_name``, ``lora_path`` and 4 image items of 64 tokens
   (where the tree has them; an older tree prints ``n/a``),
 
-and the hasher alone (``member_keys``) for both. Prints p50/p99 in microseconds. Run it on
-two revisions with ``scripts/bench_revs.py --old-rev REV -- scripts/bench_extra_keys.py``.
-Benchmarks only, never a test.
+and the hasher alone (``member_keys``) for plain and lora+4mm. Prints p50/p99 in
+microseconds. Two revisions in turns:
+``scripts/bench_revs.py --old-rev REV -- scripts/bench_extra_keys.py``. Benchmarks only,
+never a test.
 """
 
 from __future__ import annotations
@@ -122,14 +126,15 @@ def _bench_requests(
     label: str,
 ) -> None:
     plain = {"token_ids": tokens, "block_size": block}
+    salted = {**plain, "cache_salt": "tenant-a"}  # misses like lora+4mm, in every tree
     keyed = {**plain, **LORA, "mm_features": _items(len(tokens))}
     bodies = {
         name: orjson.dumps({"server_ip": ips, "body": body})
-        for name, body in (("plain", plain), ("lora+4mm", keyed))
+        for name, body in (("plain", plain), ("salted", salted), ("lora+4mm", keyed))
     }
     if client.simulate_post(PATH, body=bodies["lora+4mm"]).status_code != 200:
         del bodies["lora+4mm"]  # a tree without the fields: 400
-    times: dict[str, list[float]] = {"plain": [], "lora+4mm": []}
+    times: dict[str, list[float]] = {"plain": [], "salted": [], "lora+4mm": []}
     for _ in range(requests):  # interleaved: both see the same load
         for name, body in bodies.items():
             times[name] += _time(partial(client.simulate_post, PATH, body=body), 1)

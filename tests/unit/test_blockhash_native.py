@@ -130,7 +130,11 @@ def test_chain_with_per_block_tails_matches_hashlib() -> None:
     """ABI 2: every block ends with its own tail (LoRA, multimodal, lookahead keys)."""
     encoder = _encoder()
     require(encoder.sha is not None, f"no libcrypto SHA-256: {native.status()}")
-    assert encoder.block_tails, "the built library is not ABI 2: rebuild _cbor_blocks.c"
+    require(
+        encoder.block_tails,
+        "the built C library predates per-block tails (ABI 2): rebuild common/_cbor_blocks.c "
+        "(pip install -e ., or scripts/setup.sh)",
+    )
     rng = random.Random(31)
     ids = np.array([rng.randrange(2**20) for _ in range(16 * 9 + 3)], np.uint64)
     tails = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) for _ in range(9)]
