@@ -7,6 +7,8 @@ the API's public functions) over fakeredis and a real redis-server."""
 
 from __future__ import annotations
 
+import falcon
+import falcon.testing
 import pytest
 
 from common.blockhash import BlockHasher
@@ -14,7 +16,7 @@ from common.errors import RequestError
 from common.settings import ApiSettings
 from common.store import Store
 from services.api.api_metrics import ApiMetrics
-from services.api.hit_rate import parse_request, score
+from services.api.hit_rate import PATH, HitRateResource, parse_request, score
 from tests.services.test_api_hybrid import BS, DENSE, HYB, PROMPT, _ask, _client, _index, _members
 
 
@@ -121,9 +123,42 @@ def test_score_with_its_defaults_answers_the_plain_form(store: Store, hasher: Bl
         ),
         (b'{"server_ip": ["a"], "body": null}', "body must be a JSON object, got null"),
         (b"[]", "the request body must be a JSON object, got a list"),
+        (b" \n ", "the request body is empty"),
+        (b'{"server_ip": [], "body": {}}', "server_ip must not be empty"),
     ],
 )
 def test_a_bad_value_is_named_by_its_json_kind(body: bytes, message: str) -> None:
     with pytest.raises(RequestError) as err:
         parse_request(body)
     assert (err.value.status, err.value.message) == (400, message)
+
+
+def test_a_chunked_body_over_the_limit_names_the_limit(store: Store, hasher: BlockHasher) -> None:
+    app = falcon.App()
+    app.add_route(PATH, HitRateResource(store, hasher, ApiMetrics(), body_limit=100))
+    app.add_error_handler(RequestError, _as_json)
+    result = falcon.testing.TestClient(app).simulate_post(
+        PATH, body=b" " * 101, headers={"Transfer-Encoding": "chunked"}
+    )
+    assert result.status_code == 413
+    assert result.json["message"] == "the request body is larger than the limit of 100 bytes"
+
+
+def _as_json(req: falcon.Request, resp: falcon.Response, ex: RequestError, params: object) -> None:
+    resp.status = ex.status
+    resp.media = {"message": ex.message}
+
+
+@pytest.mark.parametrize(("version", "hit"), [((0, 25, 0), 0), ((0, 28, 0), 96)])
+def test_the_configured_vllm_version_decides_partial_hits(
+    store: Store, hasher: BlockHasher, version: tuple[int, ...], hit: int
+) -> None:
+    """Mamba and FA at 64 tokens, prefixMatchUnit 16, the state saved at 96 tokens: vLLM
+    0.26+ hits it (partial hits), 0.25 only at multiples of 64 (none saved)."""
+    m = _members(hasher)
+    shape = ((0, "mamba", None), (1, "full_attention", None))
+    _index(store, HYB, {0: [5], 1: list(range(8))}, m, shape, h_cfg=16, block=64)
+    app = falcon.App()
+    app.add_route(PATH, HitRateResource(store, hasher, ApiMetrics(), 1 << 20, vllm_version=version))
+    (score_,) = _ask(falcon.testing.TestClient(app), [HYB])
+    assert score_["l1_hit_tokens"] == hit
