@@ -7,6 +7,8 @@ the API's public functions) over fakeredis and a real redis-server."""
 
 from __future__ import annotations
 
+import io
+
 import falcon
 import falcon.testing
 import pytest
@@ -138,7 +140,9 @@ def test_a_chunked_body_over_the_limit_names_the_limit(store: Store, hasher: Blo
     app.add_route(PATH, HitRateResource(store, hasher, ApiMetrics(), body_limit=100))
     app.add_error_handler(RequestError, _as_json)
     result = falcon.testing.TestClient(app).simulate_post(
-        PATH, body=b" " * 101, headers={"Transfer-Encoding": "chunked"}
+        PATH,
+        headers={"Transfer-Encoding": "chunked"},
+        extras={"wsgi.input": io.BytesIO(b" " * 101)},
     )
     assert result.status_code == 413
     assert result.json["message"] == "the request body is larger than the limit of 100 bytes"
