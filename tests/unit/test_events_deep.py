@@ -104,7 +104,16 @@ def test_a_batch_of_no_array_and_no_map_is_empty_in_form() -> None:
     assert (batch.events, batch.form) == ([], "empty")
 
 
-def test_a_deep_payload_that_is_no_batch_is_refused_as_such() -> None:
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        # deep events, then a rank that is no int: refused once msgpack has read it all
+        (b"\x93\xcb?\xf8" + b"\x00" * 6 + b"\x91" + DEEP + msgpack.packb("r"), "not a batch: "),
+        # deeper than msgpack's own stack (1,024 levels)
+        (b"\x93\xcb?\xf8" + b"\x00" * 6 + b"\x91" + b"\x91" * 3000 + b"\x01\x00", "not msgpack: "),
+    ],
+)
+def test_a_deep_payload_that_is_no_batch_is_refused_as_such(payload: bytes, message: str) -> None:
     with pytest.raises(NotABatchError) as err:
-        decode_batch(b"\x92" + DEEP + b"\x90")
-    assert err.value.reason == "not_a_batch" and str(err.value).startswith("not a batch: ")
+        decode_batch(payload)
+    assert err.value.reason == "not_a_batch" and str(err.value).startswith(message), err.value
