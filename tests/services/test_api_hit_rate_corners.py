@@ -19,6 +19,7 @@ from common.settings import ApiSettings
 from common.store import Store
 from services.api.api_metrics import ApiMetrics
 from services.api.hit_rate import PATH, HitRateResource, parse_request, score
+from tests.metrics_oracle import value_of
 from tests.services.test_api_hybrid import BS, DENSE, HYB, PROMPT, _ask, _client, _index, _members
 
 
@@ -41,10 +42,13 @@ def test_l3_groups_the_events_never_described_answer_zero_and_say_so(
     m = _members(hasher)
     _index(store, DENSE, {0: list(range(8))}, m, DENSE_SHAPE)
     store.replace_l3(DENSE, {0: m[:5], 1: m[:5]})
-    (score_,) = _ask(_client(store, hasher), [DENSE])
+    metrics = ApiMetrics()
+    (score_,) = _ask(_client(store, hasher, metrics), [DENSE])
     assert (score_["l1_hit_tokens"], score_["l1_exact"]) == (128, True)
     assert (score_["l3_hit_tokens"], score_["l3_exact"]) == (0, False)
     assert score_["l3_inexact_reason"] == "l3_groups_unknown"
+    assert value_of(metrics.inexact, tier="l3", reason="l3_groups_unknown") == 1
+    assert value_of(metrics.inexact, tier="l1", reason="l3_groups_unknown") == 0
 
 
 def test_a_change_of_the_l3_groups_alone_is_seen_by_the_next_request(
