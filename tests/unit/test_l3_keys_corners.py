@@ -5,7 +5,7 @@ at are found among keys of other units in any order."""
 from __future__ import annotations
 
 from services.l3_poller.completeness import unmappable_units
-from services.l3_poller.keys_parser import split_key
+from services.l3_poller.keys_parser import host_of, split_key
 
 HEX = b"%064x" % 0xABC
 
@@ -25,3 +25,9 @@ def test_the_rehash_check_reads_past_keys_of_other_units() -> None:
     assert unmappable_units(keys, unit_of, candidates) == {1: 1, 2: 2}
     shared = [0 << 64 | 5, 1 << 64 | 10, 2 << 64 | 10, 2 << 64 | 12]
     assert unmappable_units(shared, unit_of, candidates) == {}
+
+
+def test_host_of_a_bracketed_endpoint_and_its_malformed_forms() -> None:
+    assert host_of("[fd00::1]:12345") == "fd00::1"
+    assert host_of("[fd00::1") == "[fd00::1"  # no closing bracket: left whole
+    assert host_of("[]:12345") == ""
