@@ -3,7 +3,7 @@
 # "Mutation testing"). Not part of CI: slow (minutes to an hour per module on 2 cores).
 #
 #   scripts/mutation.sh [-j N] [MODULE ...]   # mutate MODULE(s), one after the other, print scores
-#   scripts/mutation.sh --resume [MODULE ...] # only the mutants not yet run (after a stop)
+#   scripts/mutation.sh --resume [MODULE ...] # only the mutants not yet run or that survived
 #   scripts/mutation.sh --report [MODULE ...] # print the scores and survivors of the last runs
 #
 # MODULE is a path (common/hit_rule.py) or a dotted name (common.hit_rule); without one, every
@@ -122,7 +122,7 @@ for p in "${paths[@]}"; do
         mapfile -t names < <(python - "mutants/$p.meta" <<'EOF'
 import json, sys
 for key, code in json.load(open(sys.argv[1]))["exit_code_by_key"].items():
-    if code is None:
+    if code in (None, 0):  # not run yet, or survived (new tests may kill it)
         print(key)
 EOF
 )
