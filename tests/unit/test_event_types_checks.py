@@ -63,6 +63,4 @@ def test_a_decoded_event_with_a_bad_digest_is_skipped_as_malformed(
     assert batch.events == [BlockRemoved([D16]), BlockRemoved([D16])]
     (skipped,) = batch.skipped
     assert (skipped.index, skipped.reason) == (1, "malformed")
-    assert skipped.detail.endswith("a block hash of 17 bytes: expected 16n"), (
-        skipped.detail
-    )
+    assert skipped.detail.endswith("a block hash of 17 bytes: expected 16n"), skipped.detail
