@@ -274,7 +274,10 @@ def _describe(value: object) -> str:
     """A short description of a decoded value for a log line; never the whole payload."""
     if isinstance(value, (list, dict, bytes, str)) and len(value) > 24:
         return f"{type(value).__name__} of length {len(value)}"
-    return f"{type(value).__name__} {value!r}"
+    try:
+        return f"{type(value).__name__} {value!r}"
+    except RecursionError:  # a short container nested deeper than repr can go
+        return f"{type(value).__name__} nested too deep to show"
 
 
 class _EventBatchOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
