@@ -33,7 +33,7 @@ from common import hit_rule, keys
 from common.group_view import UNCONFIRMED_UNIT, parse_groups
 from common.group_view import lookahead as lookahead_of
 from common.hit_rule import Rule
-from common.store import Reads
+from common.store_reads import Reads
 from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
 Chain = Callable[[int, int], Sequence[bytes]]
