@@ -6,7 +6,9 @@ prompt's hash chain at the hash unit ``h``. Chain index ``i`` names tokens ``[0,
 group of block size ``B = k*h`` holds its block ``j`` at index ``(j+1)k-1``. :func:`build_rule`
 does everything that does not depend on the prompt (families, classes, the alignment ``a``,
 the partial-hit switch), :func:`hit_tokens` runs the fixed point, :func:`probe_indices` says
-which flags the answer can depend on, :func:`prefix_blocks` is the single-group rule.
+which flags the answer can depend on. :class:`HitRule` is the one interface of both rules:
+:class:`Rule` (hybrid) and :class:`LongestPrefix` (a single group); :func:`last_token_bound`
+is the cap both apply.
 
 Decisions (what vLLM does, or what we do where it gives no answer):
 
@@ -36,6 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from common.hit_finders import (
     CHUNKED,
@@ -89,6 +92,20 @@ class Rule:
     inexact: tuple[Inexact, ...]
     _classes: tuple[GroupClass, ...] = field(default=(), repr=False)
     _group_class: tuple[int, ...] = field(default=(), repr=False)  # class index, -1 = skipped
+
+    # The hybrid HitRule: its answer is in tokens (see HitRule).
+    def probes(self, group: int, num_tokens: int) -> Sequence[int]:
+        return probe_indices(self, group, num_tokens)
+
+    def answer(self, num_tokens: int, flags: Sequence[Sequence[int]]) -> int:
+        return hit_tokens(self, num_tokens, flags)
+
+    def limit(self, answer: int) -> int:
+        return answer // self.hash_unit
+
+    def hit(self, answer: int, num_tokens: int, block_size: int) -> tuple[int, float]:
+        full = num_tokens // block_size * block_size
+        return answer, min(answer, full) / full
 
 
 def build_rule(
@@ -230,7 +247,7 @@ def hit_tokens(rule: Rule, num_tokens: int, present: Sequence[Sequence[int]]) ->
         return 0
     m = num_tokens // rule.hash_unit
     flags = [Flags([present[g] for g in c.members], m) for c in classes]
-    bound = num_tokens - 1
+    bound = last_token_bound(num_tokens)
     if len(classes) == 1:
         return FINDERS[classes[0].family](classes[0], flags[0], bound, a)
     simple = len(classes) == 2 and classes[0].family == FA  # one pass reaches the fixed point
@@ -255,7 +272,7 @@ def probe_indices(rule: Rule, group: int, num_tokens: int) -> range | list[int]:
     ci = rule._group_class[group]
     if ci < 0 or num_tokens <= 1:
         return range(0)
-    c, bound, a = rule._classes[ci], num_tokens - 1, rule.alignment
+    c, bound, a = rule._classes[ci], last_token_bound(num_tokens), rule.alignment
     if rule.partial_hits and c.family in (FA, MAMBA):
         return range(bound // rule.hash_unit)
     if c.family == MAMBA:
@@ -273,7 +290,64 @@ def probe_indices(rule: Rule, group: int, num_tokens: int) -> range | list[int]:
     return [(b + 1) * c.k - 1 for b in blocks]
 
 
+def last_token_bound(num_tokens: int) -> int:
+    """The longest hit, in tokens, vLLM can reuse of a prompt: it always recomputes the last
+    token (the one cap every rule and the API apply)."""
+    return num_tokens - 1
+
+
 def prefix_blocks(flags: Sequence[int]) -> int:
-    """The single-group rule: how many flags from index 0 are set before the first unset."""
+    """How many flags from index 0 are set before the first unset (:class:`LongestPrefix`)."""
     miss = as_bytes(flags, len(flags)).find(0)
     return len(flags) if miss < 0 else miss
+
+
+class HitRule(Protocol):
+    """vLLM's hit for one instance, whatever its groups: which chain indices to read, and
+    the answer from their flags. :class:`LongestPrefix` is the single-group rule (the
+    contract's), :class:`Rule` the hybrid one (vLLM's per-group rule). An answer is in the
+    rule's own unit; :meth:`hit` turns it into the tokens and ratio the API reports."""
+
+    @property
+    def hash_unit(self) -> int:
+        """The tokens per chain index the rule reads (the chain the prompt is hashed at)."""
+        ...
+
+    def probes(self, group: int, num_tokens: int) -> Sequence[int]:
+        """The chain indices of group ``group`` (position) the answer may depend on."""
+        ...
+
+    def answer(self, num_tokens: int, flags: Sequence[Sequence[int]]) -> int:
+        """The answer from each group's flags (one per chain index; unread ones absent)."""
+        ...
+
+    def limit(self, answer: int) -> int:
+        """The chain index below which every flag ``answer`` depends on lies."""
+        ...
+
+    def hit(self, answer: int, num_tokens: int, block_size: int) -> tuple[int, float]:
+        """(hit tokens, hit ratio over the request's full blocks of ``block_size``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LongestPrefix:
+    """The single-group rule: the longest run of blocks held from block 0. Its answer is in
+    blocks; the ratio counts every held block, the tokens stop before the last token."""
+
+    hash_unit: int
+    """The block size: the request's (a single group is hashed at its own block size)."""
+
+    def probes(self, group: int, num_tokens: int) -> Sequence[int]:
+        del group
+        return range(num_tokens // self.hash_unit)
+
+    def answer(self, num_tokens: int, flags: Sequence[Sequence[int]]) -> int:
+        return prefix_blocks(flags[0][: num_tokens // self.hash_unit])
+
+    def limit(self, answer: int) -> int:
+        return answer
+
+    def hit(self, answer: int, num_tokens: int, block_size: int) -> tuple[int, float]:
+        n = num_tokens // block_size
+        return min(answer, last_token_bound(num_tokens) // block_size) * block_size, answer / n

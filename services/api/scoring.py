@@ -3,10 +3,10 @@
 An instance's KV-cache groups are what the L1 ingester learned from its events
 (``ci:{ip}:l1:groups``, :mod:`common.keys`); the L3 poller's ``groups`` field says which
 group sets Mooncake holds. :func:`parse_view` turns both into a :class:`View`: a
-**single-group** view (no descriptor, or one full-attention-family group 0) may read the
-request's blocks per tier and answers the longest run from block 0 as before; a **hybrid**
-view may read each group's set at the positions :func:`common.hit_rule.probe_indices`
-names and answers :func:`common.hit_rule.hit_tokens`. Which of those are read, round by
+**single-group** view (no descriptor, or one full-attention-family group 0) answers by
+:class:`common.hit_rule.LongestPrefix` at the request's block size, a **hybrid** one by its
+:class:`common.hit_rule.Rule`: both a :class:`common.hit_rule.HitRule`, which says which chain
+indices may be read and the answer (tokens and ratio) from them. Which of those are read, round by
 round, until the answer is proven: :mod:`services.api.read_plan` (:class:`Scorer` runs the
 rounds). Views are cached per instance (:class:`ViewCache`); the first round trip also
 re-reads the descriptors, and a candidate whose descriptors changed starts over with its
@@ -29,10 +29,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from common import hit_rule, keys
-from common.group_view import UNCONFIRMED_UNIT, parse_groups
+from common import keys
+from common.group_view import checks_unit, parse_groups, unit_reasons
 from common.group_view import lookahead as lookahead_of
-from common.hit_rule import Rule
+from common.hit_rule import HitRule, LongestPrefix, Rule
 from common.store_reads import Reads
 from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
@@ -130,7 +130,7 @@ def _parse_view(
         rule=groups.rule,
         reasons=groups.reasons,
         l3_reasons=l3_reasons,
-        check_unit=not groups.unit_from_config,
+        check_unit=checks_unit(groups),
     )
 
 
@@ -196,12 +196,18 @@ class Scorer:
         self._encoded: dict[Hashable, list[bytes]] = {}
         self._chains: dict[tuple[int, int], tuple[Hashable, Sequence[bytes]]] = {}
         self._round = Round(self._encoded)
+        self._prefix = LongestPrefix(block_size)
+
+    def _rule(self, view: View) -> HitRule:
+        """The candidate's hit rule: its hybrid rule, else the longest prefix at the
+        request's block size."""
+        return view.rule if view.rule is not None else self._prefix
 
     def _chain(self, view: View) -> tuple[Hashable, Sequence[bytes]]:
         """The prompt's member keys as this candidate's sets hold them, with a name that is
         the same for every candidate sharing the chain (hashed once per request): the chain
         of its hash unit and lookahead L (with L > 0 only the blocks L tokens follow)."""
-        unit = view.rule.hash_unit if view.rule is not None else self.block_size
+        unit = self._rule(view).hash_unit
         key = (unit, view.lookahead)
         found = self._chains.get(key)
         if found is None:
@@ -273,24 +279,21 @@ class Scorer:
         else:
             set_keys = [keys.l3_group_set(ip, g) for g in view.l1_groups]
         probes: list[Sequence[int]] = [
-            _below(hit_rule.probe_indices(rule, pos, num_tokens), hashed)
-            for pos in range(len(set_keys))
+            _below(rule.probes(pos, num_tokens), hashed) for pos in range(len(set_keys))
         ]
         return TierRead(
             set_keys,
             probes,
             num_tokens // rule.hash_unit,
-            lambda flags: hit_rule.hit_tokens(rule, num_tokens, flags),
-            lambda tokens: tokens // rule.hash_unit,
+            lambda flags: rule.answer(num_tokens, flags),
+            rule.limit,
             chain,
         )
 
     def evaluate(self, c: Candidate) -> tuple[Hit, Hit]:
         """The (L1, L3) hits of one candidate from its proven answers."""
         view = c.view
-        extra: tuple[str, ...] = ()
-        if view.check_unit and c.hash_check != "ok":
-            extra = (UNCONFIRMED_UNIT,)
+        extra = unit_reasons(view.check_unit, c.hash_check)
         l1 = self._hit(view, c.l1, c.answers[0], view.reasons + extra)
         l3 = self._hit(view, c.l3, c.answers[1], view.l3_reasons + extra)
         return l1, l3
@@ -298,15 +301,13 @@ class Scorer:
     def _hit(
         self, view: View, tier: Tier | None, answer: int | None, reasons: tuple[str, ...]
     ) -> Hit:
-        n, size = self.n, self.block_size
         if tier is None:
             return Hit(0, 0.0, reasons)
         assert answer is not None  # finish() proved every answer
-        if view.rule is None:
-            if view.block_size and view.block_size != size:
-                reasons += (BLOCK_SIZE_DIFFERS,)
-            return Hit(min(answer, (self.num_tokens - 1) // size) * size, answer / n, reasons)
-        return Hit(answer, min(answer, n * size) / (n * size), reasons)
+        if view.rule is None and view.block_size and view.block_size != self.block_size:
+            reasons += (BLOCK_SIZE_DIFFERS,)
+        tokens, ratio = self._rule(view).hit(answer, self.num_tokens, self.block_size)
+        return Hit(tokens, ratio, reasons)
 
 
 def _below(probes: Sequence[int], hashed: int) -> Sequence[int]:
