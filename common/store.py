@@ -127,6 +127,35 @@ def _rank_prefixes(ip: str) -> list[str]:
     return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
 
 
+def _batch_argv(
+    ip: str,
+    gen: int,
+    owner: str,
+    rank: int,
+    seq: int,
+    reset: bool,
+    gap: bool,
+    follows: StoredCursor | None,
+    digest: str,
+) -> dict[str, str | int]:
+    """APPLY_BATCH's fixed ARGV by name (``store_lua.APPLY_BATCH_ARGV``)."""
+    legacy_l1, legacy_l2 = _rank_prefixes(ip)
+    follows_seq, follows_digest = follows.fence() if follows is not None else ["*", ""]
+    return {
+        "legacy_l1_prefix": legacy_l1,
+        "legacy_l2_prefix": legacy_l2,
+        "gen": gen,
+        "owner": owner,
+        "rank": int(rank),
+        "seq": int(seq),
+        "reset": "1" if reset else "0",
+        "gap": "1" if gap else "0",
+        "follows_seq": follows_seq,
+        "follows_digest": follows_digest,
+        "digest": digest,
+    }
+
+
 def _named(names: tuple[str, ...], reply: Sequence[Any]) -> dict[str, Any]:
     """A script's reply (a Lua table) by the field names written next to the script."""
     return dict(zip(names, reply, strict=True))
@@ -257,18 +286,8 @@ class Store:
             if int(self._upgrade(keys=_instance_keys(ip), args=_rank_prefixes(ip))):
                 return ApplyResult(BatchStatus.STALE_GEN)
             self._layout_checked.add(ip)
-        argv = [
-            *_rank_prefixes(ip),
-            gen,
-            owner,
-            int(rank),
-            int(seq),
-            "1" if reset else "0",
-            "1" if gap else "0",
-            *(follows.fence() if follows is not None else ["*", ""]),
-            digest,
-            *ops.argv(),
-        ]
+        fixed = _batch_argv(ip, gen, owner, rank, seq, reset, gap, follows, digest)
+        argv = [fixed[name] for name in store_lua.APPLY_BATCH_ARGV] + ops.argv()
         reply = _named(store_lua.APPLY_BATCH_REPLY, self._apply(keys=_instance_keys(ip), args=argv))
         counts = {name: int(value) for name, value in reply.items()}
         result = ApplyResult(BATCH_STATUS_CODES[counts.pop("status")], **counts)

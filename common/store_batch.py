@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from common.store_lua import APPLY_BATCH_OPS, APPLY_BATCH_STATUS
+
 
 class BatchStatus(StrEnum):
     """What the store did with one fenced batch write (its values are metric label values)."""
@@ -57,6 +59,8 @@ class StoredCursor:
         return self.fence() == other.fence()
 
 
+_OP = APPLY_BATCH_OPS
+
 Op = tuple[str, str, int, list[Any]]
 """One write of a batch: (op, tier, KV-cache group, values); see ``APPLY_BATCH``."""
 
@@ -73,26 +77,31 @@ class TierOps:
     ops: list[Op] = field(default_factory=list)
 
     def store(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
-        self.ops.append(("S", tier, group, list(hashes)))
+        self.ops.append((_OP["stored"], tier, group, list(hashes)))
 
     def remove(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
-        self.ops.append(("R", tier, group, list(hashes)))
+        self.ops.append((_OP["removed"], tier, group, list(hashes)))
 
     def clear(self, tier: str) -> None:
-        self.ops.append(("C", tier, 0, []))
+        self.ops.append((_OP["cleared"], tier, 0, []))
 
     def describe(self, group: int, kind: str | None, block_size: int, window: int | None) -> None:
         self.ops.append(
-            ("D", "", group, [kind or "-", int(block_size), "" if window is None else int(window)])
+            (
+                _OP["describe"],
+                "",
+                group,
+                [kind or "-", int(block_size), "" if window is None else int(window)],
+            )
         )
 
     def settings(self, hash_unit: int, chunk: int, dp_size: int) -> None:
-        self.ops.append(("H", "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
+        self.ops.append((_OP["settings"], "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
 
     def lookahead(self, tokens: int) -> None:
         """The instance's speculative-decoding lookahead L as its events show it (spec
         vllm-extra-keys.md §5); a different L than the one stored resets the instance."""
-        self.ops.append(("A", "", 0, [int(tokens)]))
+        self.ops.append((_OP["lookahead"], "", 0, [int(tokens)]))
 
     def argv(self) -> list[str | int]:
         out: list[str | int] = []
@@ -113,11 +122,5 @@ class L1Status:
     incr: dict[str, int] = field(default_factory=dict)
 
 
-BATCH_STATUS_CODES = {
-    1: BatchStatus.APPLIED,
-    0: BatchStatus.DUPLICATE,
-    -1: BatchStatus.STALE_GEN,
-    -2: BatchStatus.NOT_OWNER,
-    -3: BatchStatus.GROUPS_CHANGED,
-    -4: BatchStatus.CURSOR_MOVED,
-}
+BATCH_STATUS_CODES = {code: BatchStatus(name) for name, code in APPLY_BATCH_STATUS.items()}
+"""APPLY_BATCH's status code → what it means."""
