@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from common.tiers import EventTier
 from common.store_lua import APPLY_BATCH_OPS, APPLY_BATCH_STATUS
 
 
@@ -60,6 +61,7 @@ class StoredCursor:
 
 
 _OP = APPLY_BATCH_OPS
+_DESCRIBING = (_OP["describe"], _OP["settings"], _OP["lookahead"])
 
 Op = tuple[str, str, int, list[Any]]
 """One write of a batch: (op, tier, KV-cache group, values); see ``APPLY_BATCH``."""
@@ -76,13 +78,26 @@ class TierOps:
 
     ops: list[Op] = field(default_factory=list)
 
-    def store(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
-        self.ops.append((_OP["stored"], tier, group, list(hashes)))
+    def store(self, tier: EventTier, hashes: Iterable[int], group: int = 0) -> None:
+        self._hashes(_OP["stored"], tier, group, list(hashes))
 
-    def remove(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
-        self.ops.append((_OP["removed"], tier, group, list(hashes)))
+    def remove(self, tier: EventTier, hashes: Iterable[int], group: int = 0) -> None:
+        self._hashes(_OP["removed"], tier, group, list(hashes))
 
-    def clear(self, tier: str) -> None:
+    def _hashes(self, op: str, tier: EventTier, group: int, hashes: list[int]) -> None:
+        """Append ``op``; merge into the previous op when it is the same op on the same tier
+        and group (descriptors between them are applied first by the store, so they do not
+        part)."""
+        for last in reversed(self.ops):
+            if last[0] in _DESCRIBING:
+                continue
+            if last[0] == op and last[1] == tier and last[2] == group:
+                last[3].extend(hashes)
+                return
+            break
+        self.ops.append((op, tier, group, hashes))
+
+    def clear(self, tier: EventTier) -> None:
         self.ops.append((_OP["cleared"], tier, 0, []))
 
     def describe(self, group: int, kind: str | None, block_size: int, window: int | None) -> None:
