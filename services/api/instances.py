@@ -128,23 +128,21 @@ def _redis_memory(reader: StatusReader, metrics: ApiMetrics) -> list[GaugeMetric
     from prometheus_client.core import GaugeMetricFamily
 
     try:
-        info = reader.r.info("memory")
+        used_bytes, max_bytes = reader.memory()
     except redis.ResponseError:  # INFO refused (an ACL without it): not an outage
         return []
     except redis.RedisError as exc:
         metrics.redis_errors.inc(op="metrics")
         logger.warning("cannot read Redis INFO memory for /metrics: %s", exc)
         return []
-    # A cluster client answers {node: {field: value}}, a single server {field: value}.
-    nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
     used = GaugeMetricFamily(
         "cache_indexer_redis_used_memory_bytes", "Redis used_memory (summed over cluster nodes)"
     )
-    used.add_metric((), sum(float(n.get("used_memory", 0)) for n in nodes))
+    used.add_metric((), used_bytes)
     limit = GaugeMetricFamily(
         "cache_indexer_redis_maxmemory_bytes", "Redis maxmemory (0 = unbounded; summed)"
     )
-    limit.add_metric((), sum(float(n.get("maxmemory", 0)) for n in nodes))
+    limit.add_metric((), max_bytes)
     return [used, limit]
 
 
