@@ -105,7 +105,7 @@ def score(
         hits = {ip: (Hit(0, 0.0), Hit(0, 0.0)) for ip in distinct}
     else:
         scorer = Scorer(n_tokens, request.block_size, chain, store)
-        hits = _read_or_500(distinct, scorer, views, vllm_version, metrics)
+        hits = _read_hits(distinct, scorer, views, vllm_version, metrics)
     _count_inexact(hits, metrics)
     if on_hits is not None:
         on_hits(hits, chain, views)
@@ -134,22 +134,6 @@ def _member_keys(hasher: Hasher, request: HitRateRequest, unit: int, lookahead: 
     return hasher.member_keys(request.token_ids, unit, request.cache_salt, inputs=inputs)
 
 
-def _read_or_500(
-    ips: list[str],
-    scorer: Scorer,
-    views: ViewCache,
-    vllm_version: tuple[int, ...],
-    metrics: ApiMetrics,
-) -> dict[str, tuple[Hit, Hit]]:
-    """:func:`_read_hits`, a Redis failure counted, logged and answered 500."""
-    try:
-        return _read_hits(ips, scorer, views, vllm_version, metrics)
-    except redis.RedisError as exc:
-        metrics.redis_errors.inc(op="hit_rate")
-        logger.warning("hit rate: Redis failed: %s", exc)
-        raise RequestError(500, UNREACHABLE) from None
-
-
 def _read_hits(
     ips: list[str],
     scorer: Scorer,
@@ -159,21 +143,27 @@ def _read_hits(
 ) -> dict[str, tuple[Hit, Hit]]:
     """Round 1 with every candidate's cached view and its descriptors; a candidate whose
     descriptors changed starts over with its new view in the next round trip, together
-    with the reads the others still need (:mod:`services.api.read_plan`)."""
-    old = {ip: views.get(ip) for ip in ips}
-    first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
-    scorer.execute()
-    changed = 0
-    for ip in ips:
-        fields, l3_groups = first[ip].descriptors
-        if raw_of(fields, l3_groups) != old[ip].raw:
-            fresh = parse_view(fields, l3_groups, vllm_version, views.empty.lookahead)
-            views.put(ip, fresh)
-            scorer.queue(ip, fresh, descriptors=False)
-            changed += 1
-    if changed:
-        metrics.group_rereads.inc(changed)
-    return scorer.finish()
+    with the reads the others still need (:mod:`services.api.read_plan`). A Redis failure is
+    counted, logged and answered 500."""
+    try:
+        old = {ip: views.get(ip) for ip in ips}
+        first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
+        scorer.execute()
+        changed = 0
+        for ip in ips:
+            fields, l3_groups = first[ip].descriptors
+            if raw_of(fields, l3_groups) != old[ip].raw:
+                fresh = parse_view(fields, l3_groups, vllm_version, views.empty.lookahead)
+                views.put(ip, fresh)
+                scorer.queue(ip, fresh, descriptors=False)
+                changed += 1
+        if changed:
+            metrics.group_rereads.inc(changed)
+        return scorer.finish()
+    except redis.RedisError as exc:
+        metrics.redis_errors.inc(op="hit_rate")
+        logger.warning("hit rate: Redis failed: %s", exc)
+        raise RequestError(500, UNREACHABLE) from None
 
 
 def _answer(ip: str, l1: Hit, l3: Hit, detail: bool) -> dict[str, Any]:

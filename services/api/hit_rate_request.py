@@ -21,6 +21,8 @@ from common.errors import RequestError
 from services.api import request_inputs
 from services.api.audit_record import parse_request_id
 
+_kind, _bad = request_inputs.kind, request_inputs.bad
+
 _READ_CHUNK = 64 * 1024
 _TOP_FIELDS = ("server_ip", "body", "request_id")
 _TOP_REQUIRED = ("server_ip", "body")
@@ -132,15 +134,9 @@ def _fields(
     doc: Any, prefix: str, allowed: tuple[str, ...], required: tuple[str, ...]
 ) -> dict[str, Any]:
     where = prefix.rstrip(".") or "the request body"
-    if not isinstance(doc, dict):
-        raise _bad(f"{where} must be a JSON object, got {_kind(doc)}")
-    for name in doc:
-        if name not in allowed:
-            raise _bad(f"the request has an unknown field {prefix}{name}")
-    for name in required:
-        if name not in doc:
-            raise _bad(f"the required field {prefix}{name} is missing")
-    return doc
+    return request_inputs.check_object(
+        doc, where, prefix, allowed, required, noun="a JSON object", empty=False
+    )
 
 
 def _token_ids(ids: Any, raw: bytes) -> Sequence[int]:
@@ -179,20 +175,3 @@ def _plain_ints(ids: list[Any], raw: bytes) -> array[int] | None:
         if any(type(ids[i]) is not int for i in zeros_and_ones):
             return None
     return converted
-
-
-def _kind(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        type(None): "null",
-    }
-    return names.get(type(value), type(value).__name__)
-
-
-def _bad(message: str) -> RequestError:
-    return RequestError(400, message)
