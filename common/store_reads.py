@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from common import keys
 from common.redis_client import Client, text, text_dict
 
 _WRITE_BYTES = 1 << 20
@@ -145,3 +146,22 @@ def _normalise(reads: Reads, replies: list[Any]) -> list[Any]:
         elif op == _HGET:
             replies[i] = None if reply is None else text(reply)
     return replies
+
+
+def queue_descriptors(reads: Reads, ip: str) -> tuple[int, int]:
+    """Queue the reads of an instance's KV-cache group descriptors (its ``l1:groups`` hash,
+    its l3 state's ``groups`` field); their positions in the round trip's replies."""
+    return reads.hgetall(keys.l1_groups(ip)), reads.hget(keys.l3_state(ip), "groups")
+
+
+def queue_hash_check(reads: Reads, ip: str) -> int:
+    """Queue the read of the instance's hash self-check verdict (its l1 state's field)."""
+    return reads.hget(keys.l1_state(ip), "hash_check")
+
+
+def group_sets(ip: str, tier: str, groups: Sequence[int]) -> list[str]:
+    """The set keys of ``groups`` of an instance in tier ``l1`` (or else ``l3``) that the
+    hit-rate read probes (group 0 is the tier's plain set)."""
+    if tier == "l1":
+        return [keys.tier_group_set(ip, "l1", g) for g in groups]
+    return [keys.l3_group_set(ip, g) for g in groups]

@@ -29,11 +29,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from common import keys
 from common.group_view import checks_unit, parse_groups, unit_reasons
 from common.group_view import lookahead as lookahead_of
 from common.hit_rule import HitRule, LongestPrefix, Rule
-from common.store_reads import Reads
+from common.store_reads import Reads, group_sets, queue_descriptors, queue_hash_check
 from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
 Chain = Callable[[int, int], Sequence[bytes]]
@@ -220,10 +219,11 @@ class Scorer:
         c = Candidate(view, self._tier(ip, view, "l1"), self._tier(ip, view, "l3"))
         r = self._round
         if descriptors:
-            r.field(r.reads.hgetall(keys.l1_groups(ip)), c, "fields")
-            r.field(r.reads.hget(keys.l3_state(ip), "groups"), c, "l3_field")
+            fields, l3_field = queue_descriptors(r.reads, ip)
+            r.field(fields, c, "fields")
+            r.field(l3_field, c, "l3_field")
         if view.check_unit:
-            r.field(r.reads.hget(keys.l1_state(ip), "hash_check"), c, "hash_check")
+            r.field(queue_hash_check(r.reads, ip), c, "hash_check")
         for tier in (c.l1, c.l3):
             if tier is not None:
                 for g, idx in tier.next_reads(first=True):
@@ -271,13 +271,10 @@ class Scorer:
         if view.rule is None:
             if not min(self.n, hashed):
                 return None
-            key = keys.tier_set(ip, "l1") if tier == "l1" else keys.l3_set(ip)
+            (key,) = group_sets(ip, tier, (0,))
             return PrefixRead(key, min(self.n, hashed), chain)
         rule, num_tokens = view.rule, self.num_tokens
-        if tier == "l1":
-            set_keys = [keys.tier_group_set(ip, "l1", g) for g in view.l1_groups]
-        else:
-            set_keys = [keys.l3_group_set(ip, g) for g in view.l1_groups]
+        set_keys = group_sets(ip, tier, view.l1_groups)
         probes: list[Sequence[int]] = [
             _below(rule.probes(pos, num_tokens), hashed) for pos in range(len(set_keys))
         ]
