@@ -42,7 +42,16 @@ from services.api.hit_rate_request import parse_request as parse_request
 from services.api.hit_rate_request import read_body as read_body
 from services.api.audit_record import HEADER as REQUEST_ID_HEADER
 from services.api.audit_record import Recorder, hybrid_stops, parse_request_id
-from services.api.scoring import Chain, Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
+from services.api.scoring import (
+    Chain,
+    ChainKey,
+    Hit,
+    Scorer,
+    StoreReads,
+    ViewCache,
+    parse_view,
+    raw_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +93,7 @@ def score(
     ``on_hits`` gets every distinct candidate's hits, the prompt's chains and the candidates'
     views (the audit's record)."""
     views = views if views is not None else ViewCache()
-    chains: dict[tuple[int, int], Sequence[bytes]] = {}
+    chains: dict[ChainKey, Sequence[bytes]] = {}
 
     def chain(unit: int, lookahead: int = 0) -> Sequence[bytes]:
         if (unit, lookahead) not in chains:  # hashes every full unit, range-checks every id

@@ -35,6 +35,8 @@ from common.hit_rule import HitRule, LongestPrefix, Rule
 from common.store_reads import Reads, group_sets, queue_descriptors, queue_hash_check
 from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
+ChainKey = tuple[int, int]
+"""A chain of the prompt: (hash unit, lookahead L)."""
 Chain = Callable[[int, int], Sequence[bytes]]
 """(hash unit, lookahead L) → the prompt's member keys at that unit, each block hashed with
 the L tokens after it (once per distinct pair and request)."""
@@ -193,7 +195,7 @@ class Scorer:
         self.candidates: dict[str, Candidate] = {}
         self.round_trips = 0
         self._encoded: dict[Hashable, list[bytes]] = {}
-        self._chains: dict[tuple[int, int], tuple[Hashable, Sequence[bytes]]] = {}
+        self._chains: dict[ChainKey, tuple[Hashable, Sequence[bytes]]] = {}
         self._round = Round(self._encoded)
         self._prefix = LongestPrefix(block_size)
 
