@@ -198,7 +198,7 @@ class BlockHasher:
             return b"".join(self._chain(token_ids, block_size, cache_salt, inputs, False)[0])
         # every id is validated, those of the partial block too
         words = cbor.id_words(token_ids, self._token_limit)
-        if cache_salt is None and inputs is extras.PLAIN:  # the common case: as before
+        if cache_salt is None and inputs is extras.PLAIN:  # the common case: no extra keys
             return encoder.chain(words, block_size, cbor.NULL, cbor.NULL, self._none_hash)
         keys = self._plan(cast(Sequence[int], words), block_size, cache_salt, inputs)
         if keys.uniform:

@@ -19,7 +19,7 @@ Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configur
 hold: ``[0, 2**64)``, or ``[0, 2**31)`` for vLLM >= 0.34 (:mod:`common.blockhash` decides,
 for the partial tail block too); anything else is a 400, as vLLM would refuse the prompt.
 The optional ``lora_name``, ``lora_path`` and ``mm_features`` (:mod:`services.api.request_inputs`)
-key every chain the request hashes; without them the hasher is called exactly as before.
+key every chain the request hashes; without them the hasher is called with no ``inputs``.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _count_inexact(hits: dict[str, tuple[Hit, Hit]], metrics: ApiMetrics) -> Non
 def _member_keys(hasher: Hasher, request: HitRateRequest, unit: int, lookahead: int) -> list[bytes]:
     """The request's chain at ``unit``, each block hashed with the ``lookahead`` tokens after
     it (spec vllm-extra-keys.md §5; 0 = vLLM's plain chain). LoRA, items and lookahead only
-    when there are some: a plain request calls the hasher exactly as before."""
+    when there are some: a plain request calls the hasher with no ``inputs``."""
     inputs = request.inputs
     if lookahead:
         inputs = replace(inputs, lookahead=lookahead)

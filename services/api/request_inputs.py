@@ -2,8 +2,8 @@
 
 They become one :class:`~common.blockhash_extra.HashInputs` that every chain of the request
 is hashed with (L1 and L3, every hash unit of a hybrid model, ``?detail=1``). A body with
-none of them gives :data:`~common.blockhash_extra.PLAIN`, and the hasher is called exactly
-as before. Every problem is a 400 with one sentence naming the field:
+none of them gives :data:`~common.blockhash_extra.PLAIN`, and the hasher is called without
+extra keys. Every problem is a 400 with one sentence naming the field:
 
 - ``lora_name`` / ``lora_path``: a string or null; ``""`` means no LoRA. A LoRA on vLLM
   0.10.2 - 0.11.0 (keyed by a server-assigned id) and a missing ``lora_path`` on >= 0.31
