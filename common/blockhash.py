@@ -40,9 +40,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
-import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -54,94 +52,23 @@ from common.blockhash_extra import ExtraKeys as ExtraKeys
 from common.blockhash_extra import HashInputs as HashInputs
 from common.blockhash_extra import MmItem as MmItem
 from common.blockhash_extra import tags_extra_keys as tags_extra_keys
-from common.errors import ConfigError
+from common.blockhash_settings import ALGOS as ALGOS
+from common.blockhash_settings import DEFAULT_NONE_HASH_SEED as DEFAULT_NONE_HASH_SEED
+from common.blockhash_settings import MIN_VLLM_VERSION as MIN_VLLM_VERSION
+from common.blockhash_settings import HashSettings as HashSettings
+from common.blockhash_settings import effective_seed as effective_seed
+from common.blockhash_settings import none_hash as none_hash
+from common.blockhash_settings import parse_vllm_version as parse_vllm_version
+from common.blockhash_settings import seed_none_hash as seed_none_hash
 
-ALGOS = ("sha256_cbor", "sha256")
-MIN_VLLM_VERSION = (0, 10, 2)
-DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM >= 0.29 when PYTHONHASHSEED is unset
-
-_FIXED_NONE_HASH_SINCE = (0, 29, 0)
 _INT32_TOKENS_SINCE = (0, 34, 0)
 _BIG_U64 = np.dtype(">u8")
 _CHUNK_TOKENS = 8192  # ids encoded at a time (measured: 4k-16k are best)
-_VERSION_RE = re.compile(
-    r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[0-9A-Za-z.]+)?"
-)
-
-
-def parse_vllm_version(text: str) -> tuple[int, int, int]:
-    """Parse "0.28.0" (also "0.28", "v0.28.0", "0.28.0rc1", "0.28.0+cu128"); pre-release
-    and local suffixes are ignored. Raises ConfigError on anything else."""
-    match = _VERSION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
-    if match is None:
-        raise ConfigError(f"vLLM version {text!r} is not of the form X.Y.Z")
-    major, minor, patch = match.group(1, 2, 3)
-    return int(major), int(minor), int(patch or 0)
-
-
-@dataclass(frozen=True)
-class HashSettings:
-    """How a vLLM deployment hashes blocks: ``--prefix-caching-hash-algo``, the engine's
-    PYTHONHASHSEED (None when unset) and the vLLM release."""
-
-    algo: str = "sha256_cbor"
-    seed: str | None = "0"
-    vllm_version: tuple[int, int, int] = (0, 28, 0)
-
-    def __post_init__(self) -> None:
-        if self.algo not in ALGOS:
-            raise ConfigError(
-                f"hash algo {self.algo!r} is not supported; use one of {', '.join(ALGOS)}"
-            )
-        if self.seed is not None and not isinstance(self.seed, str):
-            raise ConfigError(f"PYTHONHASHSEED must be a string or unset, not {self.seed!r}")
-        version = self.vllm_version
-        if not (
-            isinstance(version, tuple)
-            and len(version) == 3
-            and all(isinstance(part, int) and part >= 0 for part in version)
-        ):
-            raise ConfigError(f"vLLM version {version!r} is not a (major, minor, patch) tuple")
-        if version < MIN_VLLM_VERSION:
-            shown = ".".join(map(str, version))
-            raise ConfigError(
-                f"vLLM {shown} is not supported: its block hashes are not "
-                "reproducible (need 0.10.2 or newer)"
-            )
-
-    @classmethod
-    def from_strings(cls, algo: str, seed: str | None, vllm_version: str) -> HashSettings:
-        """Build settings from config/CLI strings; raises ConfigError on bad values."""
-        return cls(algo=algo, seed=seed, vllm_version=parse_vllm_version(vllm_version))
-
-
-def effective_seed(settings: HashSettings) -> str:
-    """The seed vLLM derives NONE_HASH from: the configured one, else vLLM >= 0.29's fixed
-    default; raises ConfigError when it is unset for an older vLLM."""
-    if settings.seed is not None:
-        return settings.seed
-    if settings.vllm_version < _FIXED_NONE_HASH_SINCE:
-        raise ConfigError(
-            "PYTHONHASHSEED is unset: vLLM < 0.29 then draws a random NONE_HASH per "
-            "process, so its block hashes are random and cannot be reproduced; set "
-            "PYTHONHASHSEED on the vLLM pods and the same value in blockKey.pythonHashSeed"
-        )
-    return DEFAULT_NONE_HASH_SEED
-
-
-def none_hash(settings: HashSettings) -> bytes:
-    """NONE_HASH, the parent digest of block 0, for these settings (32 bytes)."""
-    return seed_none_hash(settings.algo, effective_seed(settings))
 
 
 def to_event_int(digest: bytes) -> int:
     """The integer a KV event carries for a block digest: its last 8 bytes, big-endian."""
     return int.from_bytes(digest[-8:], "big")
-
-
-def seed_none_hash(algo: str, seed: str) -> bytes:
-    """NONE_HASH for an explicit seed string (no version rules): ``sha256(serialize(seed))``."""
-    return hashlib.sha256(_serialize(algo, seed)).digest()
 
 
 def chain_digests(
@@ -172,12 +99,6 @@ def chain_digests(
         parent = hashlib.sha256(preimage).digest()
         digests.append(parent)
     return digests
-
-
-def _serialize(algo: str, obj: object) -> bytes:
-    if algo == "sha256":
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return cbor.encode(obj)
 
 
 class BlockHasher:
@@ -277,7 +198,7 @@ class BlockHasher:
             return b"".join(self._chain(token_ids, block_size, cache_salt, inputs, False)[0])
         # every id is validated, those of the partial block too
         words = cbor.id_words(token_ids, self._token_limit)
-        if cache_salt is None and inputs is extras.PLAIN:  # the common case: as before
+        if cache_salt is None and inputs is extras.PLAIN:  # the common case: no extra keys
             return encoder.chain(words, block_size, cbor.NULL, cbor.NULL, self._none_hash)
         keys = self._plan(cast(Sequence[int], words), block_size, cache_salt, inputs)
         if keys.uniform:

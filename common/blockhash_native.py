@@ -97,16 +97,31 @@ class Encoder:
         if not isinstance(ids, array):
             ids = np.ascontiguousarray(ids, np.uint64)  # kept in ``ids`` until the call ends
         address = ids.buffer_info()[0] if isinstance(ids, array) else ids.ctypes.data
-        own = b""
+        own, ends = b"", array("Q")
         if tails is not None:
             if not self.block_tails or len(tails) != blocks:
                 raise RuntimeError("per-block tails need ABI 2 and one tail per block")
             own = b"".join(tails)
             ends = array("Q", itertools.accumulate(map(len, tails)))
             first_tail = max(tails, key=len)  # only sizes the scratch block
+        work, at_ends, at_digests = self._work(address, blocks, block_size, first_tail, tail, own)
+        base = ctypes.addressof(work)
+        header = parent + first_tail + tail + own
+        struct.pack_into(f"{len(header)}s", work, _ARGS.size, header)
+        if own:
+            ctypes.memmove(base + at_ends, ends.buffer_info()[0], 8 * blocks)
+        if self._chain(work) != 0:
+            raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
+        return ctypes.string_at(base + at_digests, 32 * blocks)
+
+    def _work(
+        self, address: int, blocks: int, block_size: int, first_tail: bytes, tail: bytes, own: bytes
+    ) -> tuple[ctypes.Array[ctypes.c_char], int, int]:
+        """The C call's one buffer, its packed arguments written: the arguments, the parent,
+        the tails, each block's tail end, the digests, the SHA-256 context, the block being
+        hashed (fields 8-byte aligned); with the offsets of the tail ends and the digests."""
+        assert self.sha is not None
         cap = _block_cap(block_size, first_tail, tail)
-        # one buffer: the packed arguments, the parent, the tails, each block's tail end, the
-        # digests, the SHA-256 context, the block being hashed (fields 8-byte aligned)
         at_tails = _ARGS.size + 32
         at_own = at_tails + len(first_tail) + len(tail)
         at_ends = at_own + len(own) + 7 & ~7
@@ -134,13 +149,7 @@ class Encoder:
             base + at_own if own else 0,
             base + at_ends if own else 0,
         )
-        header = parent + first_tail + tail + own
-        struct.pack_into(f"{len(header)}s", work, _ARGS.size, header)
-        if own:
-            ctypes.memmove(base + at_ends, ends.buffer_info()[0], 8 * blocks)
-        if self._chain(work) != 0:
-            raise RuntimeError("the C block chain failed (SHA-256 call or buffer size)")
-        return ctypes.string_at(base + at_digests, 32 * blocks)
+        return work, at_ends, at_digests
 
     def member_keys(self, digests: bytes) -> list[bytes]:
         """The Redis member of every 32-byte digest in ``digests``: the uint64 of its last 8

@@ -133,11 +133,21 @@ def describe_lookahead(fields: dict[str, str], default: int) -> dict[str, object
     return {"lookahead_tokens": tokens, "lookahead_source": "events" if learned else "config"}
 
 
+def checks_unit(groups: Groups) -> bool:
+    """A hybrid whose hash unit is derived from the block sizes (not configured): its answers
+    are exact only once the self-check verified that unit (:func:`unit_reasons`)."""
+    return groups.rule is not None and not groups.unit_from_config
+
+
+def unit_reasons(check_unit: bool, hash_check: str | None) -> tuple[str, ...]:
+    """Why an answer is a lower bound because of its hash unit, for the API and the status
+    view alike: an unconfirmed derived unit (``hash_check`` is the self-check's verdict)."""
+    return (UNCONFIRMED_UNIT,) if check_unit and hash_check != "ok" else ()
+
+
 def describe(groups: Groups, hash_check: str | None) -> dict[str, object]:
     """The ``groups`` part of an instance's status: descriptors, hash unit, exactness."""
-    reasons = list(groups.reasons)
-    if groups.rule is not None and not groups.unit_from_config and hash_check != "ok":
-        reasons.append(UNCONFIRMED_UNIT)
+    reasons = [*groups.reasons, *unit_reasons(checks_unit(groups), hash_check)]
     return {
         "hybrid": groups.hybrid,
         "kv_cache_groups": [

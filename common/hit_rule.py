@@ -6,7 +6,9 @@ prompt's hash chain at the hash unit ``h``. Chain index ``i`` names tokens ``[0,
 group of block size ``B = k*h`` holds its block ``j`` at index ``(j+1)k-1``. :func:`build_rule`
 does everything that does not depend on the prompt (families, classes, the alignment ``a``,
 the partial-hit switch), :func:`hit_tokens` runs the fixed point, :func:`probe_indices` says
-which flags the answer can depend on, :func:`prefix_blocks` is the single-group rule.
+which flags the answer can depend on. :class:`HitRule` is the one interface of both rules:
+:class:`Rule` (hybrid) and :class:`LongestPrefix` (a single group); :func:`last_token_bound`
+is the cap both apply.
 
 Decisions (what vLLM does, or what we do where it gives no answer):
 
@@ -27,18 +29,29 @@ Decisions (what vLLM does, or what we do where it gives no answer):
 - Groups with equal ``(kind, B, window, chunk)`` form one class: an index counts only where
   every member holds it (vLLM's ``get_cached_block``). Full-attention classes go first; their
   hit is computed once, later passes only trim to it (it is downward-closed).
-- Speed (this runs per candidate per request): a class's flags become one byte per index
-  (``bytearray`` of a slice, ANDed across members as big ints) searched with ``find`` and
-  ``rfind``: C speed, no Python loop per index. FA stops at the first miss; SWA first tries
-  the window just before the bound; Mamba reads right to left in segments.
+- The finders and their flag views (and how they stay fast) are in :mod:`common.hit_finders`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
+
+from common.hit_finders import (
+    CHUNKED,
+    FA,
+    FINDERS,
+    MAMBA,
+    SKIP,
+    SWA,
+    Flags,
+    GroupClass,
+    as_bytes,
+    find_fa,
+)
 
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
@@ -46,7 +59,6 @@ MAMBA_KIND = "mamba"
 CHUNKED_LOCAL_KIND = "chunked_local_attention"
 NOT_CACHED_KINDS = frozenset({"cross_attention", "encoder_only_attention"})
 
-_FA, _SWA, _MAMBA, _CHUNKED, _SKIP = "fa", "swa", "mamba", "chunked", "skip"
 _LOCAL_KINDS = SLIDING_WINDOW_KINDS | {CHUNKED_LOCAL_KIND}  # never fine-grained in vLLM
 
 
@@ -69,19 +81,6 @@ class Inexact(StrEnum):
 
 
 @dataclass(frozen=True)
-class _Class:
-    """Groups with one spec: the finder's family, sizes in tokens and chain indices."""
-
-    family: str
-    members: tuple[int, ...]
-    block: int  # B used by the finder (h for an unknown kind under partial hits)
-    k: int  # chain indices per block
-    unit: int  # h
-    need: int = 1  # sliding window: blocks needed just before L
-    chunk: int = 0  # chunked local: chunk size
-
-
-@dataclass(frozen=True)
 class Rule:
     """Everything about an instance's groups that does not depend on the prompt."""
 
@@ -91,8 +90,22 @@ class Rule:
     alignment: int
     partial_hits: bool
     inexact: tuple[Inexact, ...]
-    _classes: tuple[_Class, ...] = field(default=(), repr=False)
+    _classes: tuple[GroupClass, ...] = field(default=(), repr=False)
     _group_class: tuple[int, ...] = field(default=(), repr=False)  # class index, -1 = skipped
+
+    # The hybrid HitRule: its answer is in tokens (see HitRule).
+    def probes(self, group: int, num_tokens: int) -> Sequence[int]:
+        return probe_indices(self, group, num_tokens)
+
+    def answer(self, num_tokens: int, flags: Sequence[Sequence[int]]) -> int:
+        return hit_tokens(self, num_tokens, flags)
+
+    def limit(self, answer: int) -> int:
+        return answer // self.hash_unit
+
+    def hit(self, answer: int, num_tokens: int, block_size: int) -> tuple[int, float]:
+        full = num_tokens // block_size * block_size
+        return answer, min(answer, full) / full
 
 
 def build_rule(
@@ -112,7 +125,7 @@ def build_rule(
     groups = tuple(groups)
     _validate(groups, hash_unit)
     families, reasons = zip(*(_family(g) for g in groups), strict=True)
-    live = [g for g, f in zip(groups, families, strict=True) if f != _SKIP]
+    live = [g for g, f in zip(groups, families, strict=True) if f != SKIP]
     if len(live) < 2:
         partial = False
     elif partial_hits is None:
@@ -168,18 +181,16 @@ def _validate(groups: tuple[GroupSpec, ...], h: int) -> None:
 def _family(g: GroupSpec) -> tuple[str, Inexact | None]:
     """The finder family applied to ``g`` and why it is not the real one (None: it is)."""
     if g.kind in FULL_ATTENTION_KINDS:
-        return _FA, None
+        return FA, None
     if g.kind in SLIDING_WINDOW_KINDS:
-        return (
-            (_SWA, None) if g.sliding_window is not None else (_FA, Inexact.SLIDING_WINDOW_UNKNOWN)
-        )
+        return (SWA, None) if g.sliding_window is not None else (FA, Inexact.SLIDING_WINDOW_UNKNOWN)
     if g.kind == MAMBA_KIND:
-        return _MAMBA, None
+        return MAMBA, None
     if g.kind == CHUNKED_LOCAL_KIND:
-        return (_CHUNKED, None) if g.chunk is not None else (_FA, Inexact.CHUNK_SIZE_UNKNOWN)
+        return (CHUNKED, None) if g.chunk is not None else (FA, Inexact.CHUNK_SIZE_UNKNOWN)
     if g.kind in NOT_CACHED_KINDS:
-        return _SKIP, None
-    return _FA, Inexact.UNKNOWN_KIND
+        return SKIP, None
+    return FA, Inexact.UNKNOWN_KIND
 
 
 def _auto_partial(live: list[GroupSpec], h: int, version: tuple[int, ...]) -> bool:
@@ -200,147 +211,27 @@ def _auto_partial(live: list[GroupSpec], h: int, version: tuple[int, ...]) -> bo
 
 def _classes(
     groups: tuple[GroupSpec, ...], families: tuple[str, ...], h: int, partial: bool
-) -> tuple[tuple[_Class, ...], tuple[int, ...]]:
+) -> tuple[tuple[GroupClass, ...], tuple[int, ...]]:
     """Merge groups of one spec into classes, full-attention ones first."""
     members: dict[tuple[str, str | None, int, int | None, int | None], list[int]] = {}
     for pos, (g, fam) in enumerate(zip(groups, families, strict=True)):
-        if fam != _SKIP:
-            window = g.sliding_window if fam == _SWA else None
-            chunk = g.chunk if fam == _CHUNKED else None
+        if fam != SKIP:
+            window = g.sliding_window if fam == SWA else None
+            chunk = g.chunk if fam == CHUNKED else None
             members.setdefault((fam, g.kind, g.block_size, window, chunk), []).append(pos)
-    built: list[_Class] = []
+    built: list[GroupClass] = []
     for (fam, kind, _, window, chunk), pos_list in members.items():
         g = groups[pos_list[0]]
         # An unknown kind under partial hits may really be Mamba: demand every hash unit.
-        block = h if partial and fam == _FA and kind not in FULL_ATTENTION_KINDS else g.block_size
+        block = h if partial and fam == FA and kind not in FULL_ATTENTION_KINDS else g.block_size
         need = 1 if window is None else max(1, -(-(window - 1) // block))
-        built.append(_Class(fam, tuple(pos_list), block, block // h, h, need, chunk or 0))
-    built.sort(key=lambda c: (c.family != _FA, c.members[0]))
+        built.append(GroupClass(fam, tuple(pos_list), block, block // h, h, need, chunk or 0))
+    built.sort(key=lambda c: (c.family != FA, c.members[0]))
     group_class = [-1] * len(groups)
     for ci, c in enumerate(built):
         for pos in c.members:
             group_class[pos] = ci
     return tuple(built), tuple(group_class)
-
-
-# --- flag views: one byte per chain index, 1 iff every member of the class holds it --------
-
-_ONE = bytes([0] + [1] * 255)  # translate table: any set byte -> 1
-
-
-def _as_bytes(flags: Sequence[int], n: int) -> bytearray:
-    """``flags`` as exactly ``n`` bytes of 0/1 (missing entries are absent)."""
-    try:
-        raw = bytearray(flags)  # C speed for 0/1 ints and bools, the callers' lists
-    except (TypeError, ValueError):
-        raw = bytearray()
-    if len(raw) != len(flags):  # other truthy values (or a wider numpy dtype)
-        raw = bytearray(map(bool, flags))
-    raw = raw.translate(_ONE)
-    if len(raw) != n:
-        del raw[n:]
-        raw.extend(bytes(n - len(raw)))
-    return raw
-
-
-class _Flags:
-    """A class's membership for one prompt as bytes of 0/1, one byte per chain index."""
-
-    __slots__ = ("seqs", "m", "views")
-
-    def __init__(self, seqs: list[Sequence[int]], m: int) -> None:
-        self.seqs, self.m = seqs, m
-        self.views: dict[int, bytes | bytearray] = {}
-
-    def segment(self, step: int, lo: int, hi: int) -> bytes | bytearray:
-        """Byte ``t - lo`` is 1 iff every member holds chain index ``(t+1)*step - 1``, for
-        ``lo <= t < hi`` (a hash counts only if every group of the class has it)."""
-        n = hi - lo
-        if n <= 0:
-            return b""
-        first, stop = (lo + 1) * step - 1, hi * step
-        buf = _as_bytes(self.seqs[0][first:stop:step], n)
-        if len(self.seqs) == 1:
-            return buf
-        both = int.from_bytes(buf, "little")
-        for seq in self.seqs[1:]:
-            both &= int.from_bytes(_as_bytes(seq[first:stop:step], n), "little")
-        return both.to_bytes(n, "little")
-
-    def view(self, step: int) -> bytes | bytearray:
-        """:meth:`segment` over every index below m, built once per prompt."""
-        buf = self.views.get(step)
-        if buf is None:
-            buf = self.views[step] = self.segment(step, 0, self.m // step)
-        return buf
-
-    def last(self, step: int, hi: int) -> int:
-        """The largest ``t < hi`` of view ``step`` that is set, -1 if none. Right to left by
-        segments: a saved state or cached tail is usually near the end."""
-        while hi > 0:
-            lo = max(0, hi - 256)
-            found = self.segment(step, lo, hi).rfind(1)
-            if found >= 0:
-                return lo + found
-            hi = lo
-        return -1
-
-
-# --- finders: the largest length <= bound that one class accepts (spec §1.4) ---------------
-
-
-def _fa(c: _Class, fl: _Flags, bound: int, a: int) -> int:
-    nb = bound // c.block
-    miss = fl.view(c.k).find(0, 0, nb)
-    j = nb if miss < 0 else miss
-    out = j * c.block
-    if a < c.block:  # partial hits: the last hash unit held inside the first missing block
-        lo = j * c.k
-        f = fl.segment(1, lo, min(lo + c.k - 1, bound // a)).rfind(1)
-        if f >= 0:
-            out = (lo + f + 1) * a
-    return out - out % a
-
-
-def _swa(c: _Class, fl: _Flags, bound: int, a: int) -> int:
-    need, nb, r = c.need, bound // c.block, a // c.block  # windows end on a-aligned edges
-    hi = nb - nb % r
-    if hi >= need and fl.segment(c.k, hi - need, hi).find(0) < 0:
-        return hi * c.block  # the common case: the window just before the bound is cached
-    buf, window = fl.view(c.k), b"\x01" * need
-    while (start := buf.rfind(window, 0, hi)) >= 0:
-        end = start + need  # the last full window below hi; no aligned one ends past it
-        end -= end % r
-        if end < need:
-            break
-        miss = buf.rfind(0, end - need, end)
-        if miss < 0:
-            return end * c.block
-        hi = miss  # every window holding this block fails: look left of it
-    # No full window: the run of blocks from 0 (shorter than a window), rounded down to a.
-    run = buf.find(0, 0, min(nb, need))
-    run = min(nb, need) if run < 0 else run
-    return (run - run % r) * c.block
-
-
-def _mamba(c: _Class, fl: _Flags, bound: int, a: int) -> int:
-    step = a // c.unit  # the state must sit exactly at an a-aligned length
-    return (fl.last(step, bound // a) + 1) * a
-
-
-def _chunked(c: _Class, fl: _Flags, bound: int, a: int) -> int:
-    nb = bound // c.block
-    first = bound // c.chunk * c.chunk // c.block  # blocks before L's chunk count as computed
-    miss = fl.view(c.k).find(0, first, nb)
-    return (nb if miss < 0 else miss) * c.block
-
-
-_FINDERS: dict[str, Callable[[_Class, _Flags, int, int], int]] = {
-    _FA: _fa,
-    _SWA: _swa,
-    _MAMBA: _mamba,
-    _CHUNKED: _chunked,
-}
 
 
 def hit_tokens(rule: Rule, num_tokens: int, present: Sequence[Sequence[int]]) -> int:
@@ -355,21 +246,21 @@ def hit_tokens(rule: Rule, num_tokens: int, present: Sequence[Sequence[int]]) ->
     if num_tokens <= 1 or not classes:
         return 0
     m = num_tokens // rule.hash_unit
-    flags = [_Flags([present[g] for g in c.members], m) for c in classes]
-    bound = num_tokens - 1
+    flags = [Flags([present[g] for g in c.members], m) for c in classes]
+    bound = last_token_bound(num_tokens)
     if len(classes) == 1:
-        return _FINDERS[classes[0].family](classes[0], flags[0], bound, a)
-    simple = len(classes) == 2 and classes[0].family == _FA  # one pass reaches the fixed point
+        return FINDERS[classes[0].family](classes[0], flags[0], bound, a)
+    simple = len(classes) == 2 and classes[0].family == FA  # one pass reaches the fixed point
     fa_hits: dict[int, int] = {}
     while True:
         cur = bound
         for ci, c in enumerate(classes):
-            if c.family == _FA:
+            if c.family == FA:
                 if ci not in fa_hits:
-                    fa_hits[ci] = _fa(c, flags[ci], cur, a)
+                    fa_hits[ci] = find_fa(c, flags[ci], cur, a)
                 cur = min(cur, fa_hits[ci])
             else:
-                cur = _FINDERS[c.family](c, flags[ci], cur, a)
+                cur = FINDERS[c.family](c, flags[ci], cur, a)
         if cur >= bound or cur == 0 or simple:
             return cur
         bound = cur
@@ -381,14 +272,14 @@ def probe_indices(rule: Rule, group: int, num_tokens: int) -> range | list[int]:
     ci = rule._group_class[group]
     if ci < 0 or num_tokens <= 1:
         return range(0)
-    c, bound, a = rule._classes[ci], num_tokens - 1, rule.alignment
-    if rule.partial_hits and c.family in (_FA, _MAMBA):
+    c, bound, a = rule._classes[ci], last_token_bound(num_tokens), rule.alignment
+    if rule.partial_hits and c.family in (FA, MAMBA):
         return range(bound // rule.hash_unit)
-    if c.family == _MAMBA:
+    if c.family == MAMBA:
         step = a // c.unit
         return range(step - 1, bound // a * step, step)
     nb, r = bound // c.block, a // c.block
-    if c.family != _SWA or c.need >= r:
+    if c.family != SWA or c.need >= r:
         return range(c.k - 1, nb * c.k, c.k)
     # Sparse sliding window (need < a/B): only the windows before a-aligned edges, plus the
     # leading blocks its fallback reads.
@@ -399,7 +290,64 @@ def probe_indices(rule: Rule, group: int, num_tokens: int) -> range | list[int]:
     return [(b + 1) * c.k - 1 for b in blocks]
 
 
+def last_token_bound(num_tokens: int) -> int:
+    """The longest hit, in tokens, vLLM can reuse of a prompt: it always recomputes the last
+    token (the one cap every rule and the API apply)."""
+    return num_tokens - 1
+
+
 def prefix_blocks(flags: Sequence[int]) -> int:
-    """The single-group rule: how many flags from index 0 are set before the first unset."""
-    miss = _as_bytes(flags, len(flags)).find(0)
+    """How many flags from index 0 are set before the first unset (:class:`LongestPrefix`)."""
+    miss = as_bytes(flags, len(flags)).find(0)
     return len(flags) if miss < 0 else miss
+
+
+class HitRule(Protocol):
+    """vLLM's hit for one instance, whatever its groups: which chain indices to read, and
+    the answer from their flags. :class:`LongestPrefix` is the single-group rule (the
+    contract's), :class:`Rule` the hybrid one (vLLM's per-group rule). An answer is in the
+    rule's own unit; :meth:`hit` turns it into the tokens and ratio the API reports."""
+
+    @property
+    def hash_unit(self) -> int:
+        """The tokens per chain index the rule reads (the chain the prompt is hashed at)."""
+        ...
+
+    def probes(self, group: int, num_tokens: int) -> Sequence[int]:
+        """The chain indices of group ``group`` (position) the answer may depend on."""
+        ...
+
+    def answer(self, num_tokens: int, flags: Sequence[Sequence[int]]) -> int:
+        """The answer from each group's flags (one per chain index; unread ones absent)."""
+        ...
+
+    def limit(self, answer: int) -> int:
+        """The chain index below which every flag ``answer`` depends on lies."""
+        ...
+
+    def hit(self, answer: int, num_tokens: int, block_size: int) -> tuple[int, float]:
+        """(hit tokens, hit ratio over the request's full blocks of ``block_size``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LongestPrefix:
+    """The single-group rule: the longest run of blocks held from block 0. Its answer is in
+    blocks; the ratio counts every held block, the tokens stop before the last token."""
+
+    hash_unit: int
+    """The block size: the request's (a single group is hashed at its own block size)."""
+
+    def probes(self, group: int, num_tokens: int) -> Sequence[int]:
+        del group
+        return range(num_tokens // self.hash_unit)
+
+    def answer(self, num_tokens: int, flags: Sequence[Sequence[int]]) -> int:
+        return prefix_blocks(flags[0][: num_tokens // self.hash_unit])
+
+    def limit(self, answer: int) -> int:
+        return answer
+
+    def hit(self, answer: int, num_tokens: int, block_size: int) -> tuple[int, float]:
+        n = num_tokens // block_size
+        return min(answer, last_token_bound(num_tokens) // block_size) * block_size, answer / n

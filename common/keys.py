@@ -45,6 +45,8 @@ Block hashes are stored as ASCII decimal of vLLM's 64-bit event integer
 
 from __future__ import annotations
 
+from common.tiers import EventTier
+
 PREFIX = "ci"
 
 INSTANCES = f"{PREFIX}:instances"
@@ -64,11 +66,11 @@ def instance_gen(ip: str) -> str:
     return f"{_tag(ip)}:gen"
 
 
-def tier_set(ip: str, tier: str = "l1") -> str:
+def tier_set(ip: str, tier: EventTier = "l1") -> str:
     return f"{_tag(ip)}:{tier}"
 
 
-def tier_copies(ip: str, tier: str = "l1") -> str:
+def tier_copies(ip: str, tier: EventTier = "l1") -> str:
     """Sparse copy counts: only hashes held other than as exactly one copy on rank 0."""
     return f"{_tag(ip)}:{tier}:copies"
 
@@ -78,13 +80,13 @@ GROUP_SUFFIX = ":g"
 :mod:`common.store_lua` append it to the group-0 key they get in KEYS (checked by a test)."""
 
 
-def tier_group_set(ip: str, tier: str, group: int) -> str:
+def tier_group_set(ip: str, tier: EventTier, group: int) -> str:
     """The set of KV-cache group ``group`` of an event-fed tier (group 0 = :func:`tier_set`)."""
     base = tier_set(ip, tier)
     return base if group == 0 else f"{base}{GROUP_SUFFIX}{int(group)}"
 
 
-def tier_group_copies(ip: str, tier: str, group: int) -> str:
+def tier_group_copies(ip: str, tier: EventTier, group: int) -> str:
     """Copies of KV-cache group ``group`` (group 0 = :func:`tier_copies`)."""
     if group == 0:
         return tier_copies(ip, tier)
@@ -97,12 +99,12 @@ def l1_groups(ip: str) -> str:
     return f"{_tag(ip)}:l1:groups"
 
 
-def tier_counts(ip: str, tier: str = "l1") -> str:
+def tier_counts(ip: str, tier: EventTier = "l1") -> str:
     """Legacy layout (copies over all ranks); only dropped now."""
     return f"{_tag(ip)}:{tier}:cnt"
 
 
-def tier_rank_counts(ip: str, rank: int, tier: str = "l1") -> str:
+def tier_rank_counts(ip: str, rank: int, tier: EventTier = "l1") -> str:
     """Legacy layout (copies on one rank); only dropped now."""
     return f"{_tag(ip)}:{tier}:r{int(rank)}"
 

@@ -28,6 +28,7 @@ the event decoder reads both hash forms. Nested sections passed through unchange
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common.blockhash import HashSettings
 from common.config import (
@@ -122,6 +123,16 @@ class DiscoverySettings:
         )
 
 
+class HashUnitSettings(NamedTuple):
+    """An instance's hash-unit settings (``ingest.l1.prefixMatchUnit`` and
+    ``attentionChunkSize``, or its model's entry in ``ingest.l1.models``)."""
+
+    prefix_match_unit: int
+    """vLLM's ``--prefix-match-unit`` (0 = derive it from the events' block sizes)."""
+    attention_chunk_size: int
+    """Chunk size of chunked-local attention groups (0 = unknown: a lower bound)."""
+
+
 @dataclass(frozen=True)
 class L1IngestSettings:
     """An L1 ingester's settings (``ingest.l1``)."""
@@ -145,17 +156,17 @@ class L1IngestSettings:
     models: tuple[L1Model, ...] = ()
     """Per-model overrides of the two above (``ingest.l1.models``), by the instance's model."""
 
-    def hybrid_settings(self, model: str) -> tuple[int, int]:
-        """(prefix-match unit, chunk size) for an instance serving ``model``: its entry in
+    def hybrid_settings(self, model: str) -> HashUnitSettings:
+        """The hash-unit settings of an instance serving ``model``: its entry in
         ``ingest.l1.models`` (matched as given or by basename), else the defaults."""
         base = model_basename(model) if model else ""
         for entry in self.models:
             if model and (entry.name == model or model_basename(entry.name) == base):
-                return (
+                return HashUnitSettings(
                     entry.prefix_match_unit or self.prefix_match_unit,
                     entry.attention_chunk_size or self.attention_chunk_size,
                 )
-        return self.prefix_match_unit, self.attention_chunk_size
+        return HashUnitSettings(self.prefix_match_unit, self.attention_chunk_size)
 
     @classmethod
     def from_config(cls, cfg: Config) -> L1IngestSettings:

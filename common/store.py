@@ -3,15 +3,16 @@
 The key layout is documented in :mod:`common.keys`. Writes that must be atomic (copy
 counts together with set membership, generation / owner fencing, registry changes that
 drop an instance's data) run as Lua scripts from :mod:`common.store_lua`, registered once
-per :class:`Store`. Reads on the API's hot path are one non-transactional pipeline.
+per :class:`Store`. Reads on the API's hot path are one non-transactional pipeline
+(:mod:`common.store_reads`); the words of an L1 batch write are in :mod:`common.store_batch`.
 Each process types against the narrow role it uses (a ``Protocol`` in its service); the
 reads only tests make are in ``tests/store_oracle.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -19,9 +20,14 @@ import redis
 
 from common import keys, store_lua
 from common.redis_client import Client, text, text_dict
-
-_WRITE_BYTES = 1 << 20
-"""Bytes of packed commands built at a time for one pipelined read."""
+from common.store_batch import ApplyResult as ApplyResult
+from common.store_batch import BatchStatus as BatchStatus
+from common.store_batch import L1Status as L1Status
+from common.store_batch import Op as Op
+from common.store_batch import BATCH_STATUS_CODES
+from common.store_batch import StoredCursor as StoredCursor
+from common.store_batch import TierOps as TierOps
+from common.store_reads import Reads, execute
 
 L3_CHUNK = 10_000
 """Members per SADD when a staging set is filled (bounded command size)."""
@@ -80,24 +86,6 @@ class Instance:
         )
 
 
-class BatchStatus(StrEnum):
-    """What the store did with one fenced batch write (its values are metric label values)."""
-
-    APPLIED = "applied"
-    DUPLICATE = "duplicate"
-    """The sequence is not above the last applied one: nothing changed."""
-    STALE_GEN = "stale_gen"
-    """Refused: the instance is no longer the generation the writer follows."""
-    NOT_OWNER = "not_owner"
-    """Refused: another ingester holds the instance's lease."""
-    GROUPS_CHANGED = "groups_changed"
-    """Refused: a KV-cache group's kind or window changed; the store reset the instance (new
-    generation, ``reset_reason`` in its state hash) and the ingester re-syncs it."""
-    CURSOR_MOVED = "cursor_moved"
-    """Refused: the rank's stored cursor is not the one the writer follows (:class:`StoredCursor`;
-    what the ingester does then: ``services/l1_ingest/stream.py``)."""
-
-
 class RegistryChange(StrEnum):
     """What :meth:`Store.upsert_instance` did (its values are metric label values)."""
 
@@ -108,98 +96,6 @@ class RegistryChange(StrEnum):
     """The container restarted: its L1 data was dropped."""
     UPDATED = "updated"
     UNCHANGED = "unchanged"
-
-
-@dataclass
-class ApplyResult:
-    """What one fenced batch write did (the fields of ``store_lua.APPLY_BATCH_REPLY``)."""
-
-    status: BatchStatus
-    unknown_removes: int = 0
-
-
-@dataclass(frozen=True)
-class StoredCursor:
-    """What the l1 state hash says was applied last on one rank: ``seq:<rank>`` (None = no
-    field: nothing applied, or reset) and ``dig:<rank>``, the digest of that batch's payload
-    (hex; ``""`` = none recorded): what :meth:`Store.apply_batch`'s ``follows`` names."""
-
-    seq: int | None = None
-    digest: str = ""
-
-    def fence(self) -> list[str]:
-        """The cursor as ``APPLY_BATCH`` compares it (no field is the same as ``-1``)."""
-        seq = -1 if self.seq is None or self.seq < 0 else self.seq
-        return [str(seq), self.digest if seq >= 0 else ""]
-
-    def same(self, other: StoredCursor) -> bool:
-        return self.fence() == other.fence()
-
-
-Op = tuple[str, str, int, list[Any]]
-"""One write of a batch: (op, tier, KV-cache group, values); see ``APPLY_BATCH``."""
-
-
-@dataclass
-class TierOps:
-    """The writes of one ZMQ batch for one rank, in event order: (op, tier, group, values).
-
-    ``describe`` records a group's descriptor as a ``BlockStored`` carries it, ``settings``
-    the ingester's per-instance settings and ``lookahead`` the engine's lookahead L; the store
-    checks and writes them before any hash.
-    """
-
-    ops: list[Op] = field(default_factory=list)
-
-    def store(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
-        self.ops.append(("S", tier, group, list(hashes)))
-
-    def remove(self, tier: str, hashes: Iterable[int], group: int = 0) -> None:
-        self.ops.append(("R", tier, group, list(hashes)))
-
-    def clear(self, tier: str) -> None:
-        self.ops.append(("C", tier, 0, []))
-
-    def describe(self, group: int, kind: str | None, block_size: int, window: int | None) -> None:
-        self.ops.append(
-            ("D", "", group, [kind or "-", int(block_size), "" if window is None else int(window)])
-        )
-
-    def settings(self, hash_unit: int, chunk: int, dp_size: int) -> None:
-        self.ops.append(("H", "", 0, [int(hash_unit), int(chunk), int(dp_size)]))
-
-    def lookahead(self, tokens: int) -> None:
-        """The instance's speculative-decoding lookahead L as its events show it (spec
-        vllm-extra-keys.md §5); a different L than the one stored resets the instance."""
-        self.ops.append(("A", "", 0, [int(tokens)]))
-
-    def argv(self) -> list[str | int]:
-        out: list[str | int] = []
-        for op, tier, group, values in self.ops:
-            out += [op, tier, group, len(values)]
-            out += values
-        return out
-
-
-@dataclass
-class L1Status:
-    """One instance's status write: fields to set and counters to increment (l1 state hash)."""
-
-    ip: str
-    gen: int
-    owner: str
-    fields: dict[str, str]
-    incr: dict[str, int] = field(default_factory=dict)
-
-
-_STATUS = {
-    1: BatchStatus.APPLIED,
-    0: BatchStatus.DUPLICATE,
-    -1: BatchStatus.STALE_GEN,
-    -2: BatchStatus.NOT_OWNER,
-    -3: BatchStatus.GROUPS_CHANGED,
-    -4: BatchStatus.CURSOR_MOVED,
-}
 
 
 _INSTANCE_KEY: dict[str, Callable[[str], str]] = {
@@ -229,6 +125,35 @@ def _rank_prefixes(ip: str) -> list[str]:
     # Legacy per-rank hashes (dropped on sight): tier_rank_counts(ip, 0) ends in "r0"; the
     # scripts append the rank themselves. ARGV[1..2] of the scripts that drop L1/L2 only.
     return [keys.tier_rank_counts(ip, 0, t)[:-1] for t in ("l1", "l2")]
+
+
+def _batch_argv(
+    ip: str,
+    gen: int,
+    owner: str,
+    rank: int,
+    seq: int,
+    reset: bool,
+    gap: bool,
+    follows: StoredCursor | None,
+    digest: str,
+) -> dict[str, str | int]:
+    """APPLY_BATCH's fixed ARGV by name (``store_lua.APPLY_BATCH_ARGV``)."""
+    legacy_l1, legacy_l2 = _rank_prefixes(ip)
+    follows_seq, follows_digest = follows.fence() if follows is not None else ["*", ""]
+    return {
+        "legacy_l1_prefix": legacy_l1,
+        "legacy_l2_prefix": legacy_l2,
+        "gen": gen,
+        "owner": owner,
+        "rank": int(rank),
+        "seq": int(seq),
+        "reset": "1" if reset else "0",
+        "gap": "1" if gap else "0",
+        "follows_seq": follows_seq,
+        "follows_digest": follows_digest,
+        "digest": digest,
+    }
 
 
 def _named(names: tuple[str, ...], reply: Sequence[Any]) -> dict[str, Any]:
@@ -361,21 +286,11 @@ class Store:
             if int(self._upgrade(keys=_instance_keys(ip), args=_rank_prefixes(ip))):
                 return ApplyResult(BatchStatus.STALE_GEN)
             self._layout_checked.add(ip)
-        argv = [
-            *_rank_prefixes(ip),
-            gen,
-            owner,
-            int(rank),
-            int(seq),
-            "1" if reset else "0",
-            "1" if gap else "0",
-            *(follows.fence() if follows is not None else ["*", ""]),
-            digest,
-            *ops.argv(),
-        ]
+        fixed = _batch_argv(ip, gen, owner, rank, seq, reset, gap, follows, digest)
+        argv = [fixed[name] for name in store_lua.APPLY_BATCH_ARGV] + ops.argv()
         reply = _named(store_lua.APPLY_BATCH_REPLY, self._apply(keys=_instance_keys(ip), args=argv))
         counts = {name: int(value) for name, value in reply.items()}
-        result = ApplyResult(_STATUS[counts.pop("status")], **counts)
+        result = ApplyResult(BATCH_STATUS_CODES[counts.pop("status")], **counts)
         if result.status not in (BatchStatus.APPLIED, BatchStatus.DUPLICATE):
             self._layout_checked.discard(ip)  # refused: whoever wrote since is checked again
         return result
@@ -470,128 +385,5 @@ class Store:
     # -- API hot path -----------------------------------------------------------------
 
     def execute(self, reads: Reads) -> list[Any]:
-        """Send every queued read in one pipelined round trip; replies in queue order
-        (HGETALL as a ``dict[str, str]``, HGET as ``str | None``, SMISMEMBER as 0/1 ints).
-
-        redis-py's pipeline costs tens of microseconds of Python per command, more than the
-        whole request of a short prompt; so on a single server the commands are written as
-        packed RESP in pieces of about 1 MiB, each SMISMEMBER's members encoded once per
-        request (:meth:`Reads.members`), all before the first reply is read. One retry on a
-        broken connection (a pooled socket gone stale across a Redis restart), as the
-        client's own ``Retry`` would do. A cluster goes through its pipeline (routed by slot).
-        """
-        if not reads.cmds:
-            return []
-        if not isinstance(self.r, redis.Redis):
-            return _normalise(reads, self._execute_cluster(reads))
-        pool = self.r.connection_pool
-        for attempt in (1, 2):
-            conn: Any = pool.get_connection()  # redis-py leaves its methods untyped
-            try:
-                conn.send_packed_command(reads.payload())
-                return _normalise(reads, [conn.read_response() for _ in reads.cmds])
-            except (redis.ConnectionError, redis.TimeoutError):
-                conn.disconnect()
-                if attempt == 2:
-                    raise
-            except BaseException:
-                conn.disconnect()  # unread replies must not reach the next user of the socket
-                raise
-            finally:
-                pool.release(conn)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _execute_cluster(self, reads: Reads) -> list[Any]:
-        pipe: Any = self.r.pipeline(transaction=False)
-        for cmd in reads.cmds:
-            if cmd[0] == _SMIS:
-                pipe.smismember(cmd[1], list(reads.blobs[cmd[2]].members))
-            elif cmd[0] == _HGETALL:
-                pipe.hgetall(cmd[1])
-            else:
-                pipe.hget(cmd[1], cmd[2])
-        return list(pipe.execute())
-
-
-_SMIS, _HGETALL, _HGET = "SMISMEMBER", "HGETALL", "HGET"
-
-
-def encode_members(members: Sequence[bytes]) -> bytes:
-    """Members as the RESP bulk strings of a command's arguments."""
-    return b"".join([b"$%d\r\n%b\r\n" % (len(m), m) for m in members])
-
-
-@dataclass
-class MemberBlob:
-    """Members of SMISMEMBER commands, encoded once per request and shared by every set."""
-
-    members: Sequence[bytes]
-    encoded: bytes
-
-
-@dataclass
-class Reads:
-    """Reads for one pipelined round trip (:meth:`Store.execute`), queued in order."""
-
-    cmds: list[tuple[str, str, Any]] = field(default_factory=list)
-    blobs: list[MemberBlob] = field(default_factory=list)
-
-    def members(self, members: Sequence[bytes], encoded: bytes | None = None) -> int:
-        """Register members for SMISMEMBER; returns the handle to pass to it. ``encoded``:
-        the members as RESP bulk strings (:func:`encode_members`), when the caller has them."""
-        if encoded is None:
-            encoded = encode_members(members)
-        self.blobs.append(MemberBlob(members, encoded))
-        return len(self.blobs) - 1
-
-    def smismember(self, key: str, blob: int) -> int:
-        self.cmds.append((_SMIS, key, blob))
-        return len(self.cmds) - 1
-
-    def hgetall(self, key: str) -> int:
-        self.cmds.append((_HGETALL, key, None))
-        return len(self.cmds) - 1
-
-    def hget(self, key: str, name: str) -> int:
-        self.cmds.append((_HGET, key, name))
-        return len(self.cmds) - 1
-
-    def payload(self) -> Iterator[bytes]:
-        """The commands as packed RESP, in pieces of about ``_WRITE_BYTES``."""
-        out: list[bytes] = []
-        size = 0
-        for op, key, arg in self.cmds:
-            k = key.encode()
-            if op == _SMIS:
-                blob = self.blobs[arg]
-                piece = b"*%d\r\n$10\r\nSMISMEMBER\r\n$%d\r\n%b\r\n%b" % (
-                    len(blob.members) + 2,
-                    len(k),
-                    k,
-                    blob.encoded,
-                )
-            elif op == _HGETALL:
-                piece = b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(k), k)
-            else:
-                f = arg.encode()
-                piece = b"*3\r\n$4\r\nHGET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(f), f)
-            out.append(piece)
-            size += len(piece)
-            if size >= _WRITE_BYTES:
-                yield b"".join(out)
-                out, size = [], 0
-        if out:
-            yield b"".join(out)
-
-
-def _normalise(reads: Reads, replies: list[Any]) -> list[Any]:
-    """Raw (RESP2/RESP3) or callback-parsed replies to the forms :meth:`Store.execute` says."""
-    for i, (op, _, _) in enumerate(reads.cmds):
-        reply = replies[i]
-        if op == _HGETALL:
-            if isinstance(reply, list):
-                reply = dict(zip(reply[::2], reply[1::2]))
-            replies[i] = text_dict(reply or {})
-        elif op == _HGET:
-            replies[i] = None if reply is None else text(reply)
-    return replies
+        """Every queued read in one pipelined round trip (:func:`common.store_reads.execute`)."""
+        return execute(self.r, reads)

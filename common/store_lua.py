@@ -306,50 +306,105 @@ APPLY_BATCH_REPLY = ("status", "unknown_removes")
 """The fields of APPLY_BATCH's reply, in order (``common.store.ApplyResult``'s, a test checks
 that they and every ``return {…}`` of the script agree)."""
 
+APPLY_BATCH_ARGV = (
+    "legacy_l1_prefix",
+    "legacy_l2_prefix",
+    "gen",
+    "owner",
+    "rank",
+    "seq",
+    "reset",
+    "gap",
+    "follows_seq",
+    "follows_digest",
+    "digest",
+)
+"""APPLY_BATCH's fixed ARGV, in order (``common.store`` builds them by name; the script reads
+them as ``A.<name>``); the batch's ops follow, from ARGV[OPS]."""
+
+APPLY_BATCH_OPS = {
+    "stored": "S",
+    "removed": "R",
+    "cleared": "C",
+    "describe": "D",
+    "settings": "H",
+    "lookahead": "A",
+}
+"""The op codes of an APPLY_BATCH op (``common.store_batch.TierOps`` writes them; the script
+reads them as ``OP.<name>``)."""
+
+APPLY_BATCH_STATUS = {
+    "applied": 1,
+    "duplicate": 0,
+    "stale_gen": -1,
+    "not_owner": -2,
+    "groups_changed": -3,
+    "cursor_moved": -4,
+}
+"""The status codes of APPLY_BATCH's reply by ``common.store_batch.BatchStatus`` value (the
+script returns them as ``STATUS.<name>``)."""
+
+
+def _lua_table(name: str, fields: dict[str, str]) -> str:
+    return f"local {name} = {{" + ", ".join(f"{k} = {v}" for k, v in fields.items()) + "}\n"
+
+
+_APPLY_NAMES = (
+    _lua_table("A", {n: f"ARGV[{i}]" for i, n in enumerate(APPLY_BATCH_ARGV, 1)})
+    + f"local OPS = {len(APPLY_BATCH_ARGV) + 1}\n"
+    + _lua_table("OP", {k: f"'{v}'" for k, v in APPLY_BATCH_OPS.items()})
+    + _lua_table("STATUS", {k: str(v) for k, v in APPLY_BATCH_STATUS.items()})
+)
+
 APPLY_BATCH = (
     _COMMON
+    + _APPLY_NAMES
     + r"""
--- ARGV[3] gen, ARGV[4] owner ('' = unchecked), ARGV[5] rank, ARGV[6] seq,
--- ARGV[7] '1' = clear this rank first (publisher restart / gap policy clear),
--- ARGV[8] '1' = count an unrecoverable gap, ARGV[9] the rank's cursor seq the writer
--- believes is stored ('-1' = none, '*' = unchecked), ARGV[10] that cursor's payload digest
--- ('' = none), ARGV[11] the digest of this batch's payload, ARGV[12..] ops: op, tier, group,
--- n, value * n
+-- A.gen, A.owner ('' = unchecked), A.rank, A.seq,
+-- A.reset '1' = clear this rank first (publisher restart / gap policy clear),
+-- A.gap '1' = count an unrecoverable gap, A.follows_seq the rank's cursor seq the writer
+-- believes is stored ('-1' = none, '*' = unchecked), A.follows_digest that cursor's payload
+-- digest ('' = none), A.digest the digest of this batch's payload, ARGV[OPS..] ops: op, tier,
+-- group, n, value * n
 -- (op S = stored, R = removed: n hashes; C = all cleared, n = 0, every group;
 -- D = a group's descriptor as seen on a BlockStored: n = 3, kind ('-' = not sent), block
 -- size, window ('' = none); H = the ingester's settings for the instance: n = 3, h_cfg
 -- (0 = derive), chunk (0 = unknown), dp size; A = the engine's speculative-decoding
 -- lookahead L as a GPU BlockStored shows it: n = 1, field 'la').
--- Returns APPLY_BATCH_REPLY: {status, unknown_removes}; status 1
--- applied, 0 duplicate/old sequence, -1 stale generation, -2 not the owner, -3 a group's descriptor
--- or the lookahead L changed (the instance was reset: new generation, reset_reason in the
--- state hash), -4 the
--- stored cursor (seq:<rank>, dig:<rank>) is not the one the writer follows (a failover lost
--- acknowledged writes, the state hash was emptied, another session wrote): nothing changed.
-if redis.call('HGET', K.meta, 'gen') ~= ARGV[3] then return {-1, 0} end
-if ARGV[4] ~= '' and redis.call('GET', K.l1_owner) ~= ARGV[4] then return {-2, 0} end
-local rank, seq = ARGV[5], tonumber(ARGV[6])
+-- Returns APPLY_BATCH_REPLY: {status, unknown_removes}; status STATUS.applied, .duplicate
+-- (old sequence), .stale_gen, .not_owner, .groups_changed (a group's descriptor or the
+-- lookahead L changed: the instance was reset, new generation, reset_reason in the state
+-- hash), .cursor_moved (the stored cursor seq:<rank>, dig:<rank> is not the one the writer
+-- follows: a failover lost acknowledged writes, the state hash was emptied, another session
+-- wrote): nothing changed but on applied (and the reset of groups_changed).
+if redis.call('HGET', K.meta, 'gen') ~= A.gen then return {STATUS.stale_gen, 0} end
+if A.owner ~= '' and redis.call('GET', K.l1_owner) ~= A.owner then
+  return {STATUS.not_owner, 0}
+end
+local rank, seq = A.rank, tonumber(A.seq)
 local seqf, digf = 'seq:' .. rank, 'dig:' .. rank
 -- The cursor fence: a batch follows the batch the writer applied last, so it is refused if
 -- the store no longer holds exactly that one (a reset does not depend on what is stored).
-if ARGV[7] ~= '1' and ARGV[9] ~= '*' then
+if A.reset ~= '1' and A.follows_seq ~= '*' then
   local cur = redis.call('HMGET', K.l1_state, seqf, digf)
-  if (cur[1] or '-1') ~= ARGV[9] or (cur[2] or '') ~= ARGV[10] then return {-4, 0} end
+  if (cur[1] or '-1') ~= A.follows_seq or (cur[2] or '') ~= A.follows_digest then
+    return {STATUS.cursor_moved, 0}
+  end
 end
-if ARGV[7] == '1' then
+if A.reset == '1' then
   clear_rank('l1', rank)
   clear_rank('l2', rank)
   redis.call('HDEL', K.l1_state, seqf, digf)
 end
 local last = redis.call('HGET', K.l1_state, seqf)
-if last and seq <= tonumber(last) then return {0, 0} end
+if last and seq <= tonumber(last) then return {STATUS.duplicate, 0} end
 -- Descriptors first, before any write: a kind or window that changed within a generation
 -- means the engine is not the one indexed (or the index is wrong): reset, never mix.
 local learned = {}
-local i = 12
+local i = OPS
 while i <= #ARGV do
   local op, g, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 3])
-  if op == 'D' then
+  if op == OP.describe then
     local kind, b, w = ARGV[i + 4], tonumber(ARGV[i + 5]), ARGV[i + 6]
     local cur = learned[g] or redis.call('HGET', K.l1_groups, g)
     local ck, cb, cw, cm = '-', 0, '', 0
@@ -358,25 +413,25 @@ while i <= #ARGV do
     if kind ~= '-' and ck ~= '-' and (kind ~= ck or w ~= cw) then
       reset_instance(string.format('KV-cache group %s changed from %s to %s,%d,%s', g,
                                    cur, kind, b, w))
-      return {-3, 0}
+      return {STATUS.groups_changed, 0}
     end
     if ck == '-' then ck, cw = kind, w end
     if b > 0 and (cm == 0 or b < cm) then cm = b end
     if b > cb then cb = b end
     learned[g] = string.format('%s,%d,%s,%d', ck, cb, cw, cm)
-  elseif op == 'H' then
+  elseif op == OP.settings then
     learned['h_cfg'], learned['chunk'], learned['dp'] = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-  elseif op == 'A' then
+  elseif op == OP.lookahead then
     -- Hashes made with another L never equal this engine's: a new L within a generation is
     -- another engine configuration, so reset rather than keep blocks no chain can match.
     local cur = learned['la'] or redis.call('HGET', K.l1_groups, 'la')
     if cur and cur ~= ARGV[i + 4] then
       reset_instance(string.format(
         'the speculative-decoding lookahead changed from %s to %s tokens', cur, ARGV[i + 4]))
-      return {-3, 0}
+      return {STATUS.groups_changed, 0}
     end
     learned['la'] = ARGV[i + 4]
-  elseif op == 'S' and not learned[g] then  -- a set never exists without its group's field
+  elseif op == OP.stored and not learned[g] then  -- a set never exists without its group's field
     learned[g] = redis.call('HGET', K.l1_groups, g) or '-,0,,0'
   end
   i = i + 4 + n
@@ -384,18 +439,18 @@ end
 for f, v in pairs(learned) do
   if redis.call('HGET', K.l1_groups, f) ~= v then redis.call('HSET', K.l1_groups, f, v) end
 end
-if ARGV[8] == '1' then redis.call('HINCRBY', K.l1_state, 'gap:' .. rank, 1) end
+if A.gap == '1' then redis.call('HINCRBY', K.l1_state, 'gap:' .. rank, 1) end
 local unknown = 0
 local ri = tonumber(rank) + 1
-i = 12
+i = OPS
 while i <= #ARGV do
   local op, tier, g, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-  if op == 'C' then
+  if op == OP.cleared then
     clear_rank(tier, rank)
-  elseif op == 'S' then
+  elseif op == OP.stored then
     local set, x = tier_keys(tier, g)
     for j = i + 4, i + 3 + n do store_copy(set, x, ARGV[j], ri) end
-  elseif op == 'R' then
+  elseif op == OP.removed then
     local set, x = tier_keys(tier, g)
     for j = i + 4, i + 3 + n do
       if not remove_copy(set, x, ARGV[j], ri) then unknown = unknown + 1 end
@@ -403,10 +458,10 @@ while i <= #ARGV do
   end
   i = i + 4 + n
 end
-redis.call('HSET', K.l1_state, seqf, ARGV[6])
-if ARGV[11] ~= '' then redis.call('HSET', K.l1_state, digf, ARGV[11])
+redis.call('HSET', K.l1_state, seqf, A.seq)
+if A.digest ~= '' then redis.call('HSET', K.l1_state, digf, A.digest)
 else redis.call('HDEL', K.l1_state, digf) end
-return {1, unknown}
+return {STATUS.applied, unknown}
 """
 )
 

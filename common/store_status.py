@@ -41,6 +41,17 @@ class StatusReader:
         self._ips: list[str] = []
         self._urls: list[str] = []
 
+    def memory(self) -> tuple[float, float]:
+        """Redis ``used_memory`` and ``maxmemory`` (``INFO memory``), summed over a
+        cluster's nodes; raises what the client raises (``ResponseError``: INFO refused)."""
+        info = self.r.info("memory")
+        # A cluster client answers {node: {field: value}}, a single server {field: value}.
+        nodes = (
+            [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
+        )
+        used = sum(float(n.get("used_memory", 0)) for n in nodes)
+        return used, sum(float(n.get("maxmemory", 0)) for n in nodes)
+
     def read(self) -> Raw:
         cluster = not isinstance(self.r, redis.Redis)
         pipe = self.r.pipeline(transaction=False)

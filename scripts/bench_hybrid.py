@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 from common import keys
 from common.blockhash import BlockHasher
 from common.settings import ApiSettings
-from common.store import Instance, Reads, Store, TierOps
+from common.store import Instance, Store, TierOps
+from common.store_reads import Reads
 from services.api import hit_rate
 from services.api.api_metrics import ApiMetrics
 from services.api.scoring import ViewCache

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Print the modules over 400 lines and the functions over 50 lines in ``common/`` and
-``services/``; exit 1 if there is any (issue 34's limits, ``docs/design.md``).
+``services/``; exit 1 if there is any (issue 34's limits, ``docs/design.md``; CI runs it in
+``scripts/lint.sh``).
 
 A module's size is its line count; a function's is from its ``def`` line to its last line
 (decorators not counted), nested functions and methods each measured on their own. The

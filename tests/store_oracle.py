@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from common import keys
 from common.redis_client import text, text_dict
-from common.store import Instance, Reads, Store
+from common.store import Instance, Store
+from common.store_reads import Reads
 
 
 class OracleStore(Store):

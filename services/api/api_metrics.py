@@ -70,6 +70,13 @@ class ApiMetrics:
             "Redis calls that failed, by operation.",
             ("op",),
         )
+        self._register_hit_rate(r)
+        self._register_audit(r)
+        if self.registry.buffers is not None:
+            self.registry.buffers.start()
+
+    def _register_hit_rate(self, r: Registry) -> None:
+        """What the hit-rate path counts besides requests and errors."""
         self.hashed_blocks: Counter = r.counter(
             "cache_indexer_api_hashed_blocks_total", "Prompt blocks hashed for hit-rate requests."
         )
@@ -90,6 +97,9 @@ class ApiMetrics:
             "Candidates read a second time in one request because their KV-cache groups "
             "changed since the worker last saw them.",
         )
+
+    def _register_audit(self, r: Registry) -> None:
+        """The prediction audit's metrics (issue 30)."""
         self.audit_records: Counter = r.counter(
             "cache_indexer_api_audit_records_total",
             "Hit-rate answers with a request_id offered to the audit, by what became of them "
@@ -108,8 +118,6 @@ class ApiMetrics:
             ("verdict", "source"),
             _TOKEN_BUCKETS,
         )
-        if self.registry.buffers is not None:
-            self.registry.buffers.start()
 
     def render(self) -> bytes:
         """Prometheus text: the sum over all workers, or this process's own metrics."""

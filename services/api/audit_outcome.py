@@ -34,7 +34,7 @@ from services.api import audit_store
 from services.api.api_metrics import ApiMetrics
 from services.api.audit_record import parse_request_id
 from services.api.audit_verdict import Outcome, classify
-from services.api.hit_rate import read_body
+from services.api.hit_rate_request import read_body
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ request whole in its selector thread before a pool thread sees it):
 | readHeaderTimeout, readTimeout, writeTimeout | the worker | what each spans and answers: :mod:`services.api.transport.worker`; zero values: ``Limits.from_go``. gunicorn's ``timeout`` (a wedged worker is replaced) is max(writeTimeout, 30 s) |
 | idleTimeout         | the worker, keepalive       | as above |
 | maxHeaderBytes      | limit_request_line, limit_request_field_size | each capped at 8190, gunicorn's maximum; with the default 100 fields the header block stays under ~800 KiB |
-| maxHitRateBodyBytes | the worker, the app         | bodies over it are not buffered; :func:`services.api.hit_rate.read_body`: Content-Length check (413 unread), capped chunked read |
-| maxCandidates       | the app                     | :func:`services.api.hit_rate.parse_request`: more distinct ``server_ip`` values, or more than maxCandidates × 4096 candidate-blocks → 400 |
+| maxHitRateBodyBytes | the worker, the app         | bodies over it are not buffered; :func:`services.api.hit_rate_request.read_body`: Content-Length check (413 unread), capped chunked read |
+| maxCandidates       | the app                     | :func:`services.api.hit_rate_request.parse_request`: more distinct ``server_ip`` values, or more than maxCandidates × 4096 candidate-blocks → 400 |
 
 gunicorn's own durations are rounded up to whole seconds (it takes integers); the worker's
 deadlines are exact. The hooks (``on_starting``, ``child_exit``, ``worker_exit``,

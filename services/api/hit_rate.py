@@ -19,42 +19,43 @@ Token ids must be JSON integers (``true`` and ``1.0`` are not) that the configur
 hold: ``[0, 2**64)``, or ``[0, 2**31)`` for vLLM >= 0.34 (:mod:`common.blockhash` decides,
 for the partial tail block too); anything else is a 400, as vLLM would refuse the prompt.
 The optional ``lora_name``, ``lora_path`` and ``mm_features`` (:mod:`services.api.request_inputs`)
-key every chain the request hashes; without them the hasher is called exactly as before.
+key every chain the request hashes; without them the hasher is called with no ``inputs``.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 import falcon
-import numpy as np
 import orjson
 import redis
 
 from common.blockhash_extra import PLAIN, HashInputs
-from common.config import HTTP
 from common.errors import RequestError
-from services.api import request_inputs
 from services.api.api_metrics import ApiMetrics
+from services.api.hit_rate_request import DEFAULT_MAX_CANDIDATES as DEFAULT_MAX_CANDIDATES
+from services.api.hit_rate_request import HitRateRequest as HitRateRequest
+from services.api.hit_rate_request import parse_request as parse_request
+from services.api.hit_rate_request import read_body as read_body
 from services.api.audit_record import HEADER as REQUEST_ID_HEADER
 from services.api.audit_record import Recorder, hybrid_stops, parse_request_id
-from services.api.scoring import Chain, Hit, Scorer, StoreReads, ViewCache, parse_view, raw_of
+from services.api.scoring import (
+    Chain,
+    ChainKey,
+    Hit,
+    Scorer,
+    StoreReads,
+    ViewCache,
+    parse_view,
+    raw_of,
+)
 
 logger = logging.getLogger(__name__)
 
 PATH = "/kv-cache/hit-rate"
-_READ_CHUNK = 64 * 1024
-_TOP_FIELDS = ("server_ip", "body", "request_id")
-_TOP_REQUIRED = ("server_ip", "body")
-_BODY_FIELDS = ("token_ids", "cache_salt", "block_size", *request_inputs.FIELDS)
-_BODY_REQUIRED = ("token_ids", "block_size")
-DEFAULT_MAX_CANDIDATES = HTTP().max_candidates
-LOOKUPS_PER_CANDIDATE = 4096
-"""Full blocks per distinct candidate that one request may have looked up, on average."""
 UNREACHABLE = "the hit rate could not be computed: the state store is unreachable"
 
 
@@ -69,173 +70,6 @@ class Hasher(Protocol):
         *,
         inputs: HashInputs | None = None,
     ) -> list[bytes]: ...
-
-
-@dataclass(frozen=True)
-class HitRateRequest:
-    server_ips: list[str]
-    token_ids: Sequence[int]  # usually an array("Q") (:func:`_token_ids`)
-    block_size: int
-    cache_salt: str | None  # "" in the request means no salt: stored as None
-    inputs: HashInputs = PLAIN  # LoRA and multimodal items (:mod:`services.api.request_inputs`)
-    request_id: str | None = None  # the audit's key (services/api/audit_record.py)
-
-
-def read_body(req: falcon.Request, limit: int) -> bytes:
-    """The raw body, refusing (413) anything over ``limit`` bytes without reading it all."""
-    length = req.content_length
-    if length is not None:
-        if length > limit:
-            raise RequestError(413, f"the request body is larger than the limit of {limit} bytes")
-        return req.bounded_stream.read()
-    if "chunked" not in (req.get_header("Transfer-Encoding") or "").lower():
-        return b""  # no Content-Length and not chunked: HTTP says there is no body
-    data = bytearray()
-    while len(data) <= limit:
-        chunk = req.stream.read(min(_READ_CHUNK, limit + 1 - len(data)))
-        if not chunk:
-            break
-        data += chunk
-    if len(data) > limit:
-        raise RequestError(413, f"the request body is larger than the limit of {limit} bytes")
-    return bytes(data)
-
-
-def parse_request(
-    raw: bytes,
-    max_candidates: int = DEFAULT_MAX_CANDIDATES,
-    vllm_version: tuple[int, ...] = (0, 28, 0),
-) -> HitRateRequest:
-    """Decode and validate a hit-rate request body; :class:`RequestError` (400) if invalid,
-    including more than ``max_candidates`` distinct ``server_ip`` values, and LoRA or
-    multimodal fields the configured ``vllm_version`` cannot hash."""
-    if not raw.strip():
-        raise _bad("the request body is empty")
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise _bad(f"the request body is not valid JSON ({exc})") from None
-    top = _fields(doc, "", _TOP_FIELDS, _TOP_REQUIRED)
-    ips = top["server_ip"]
-    if not isinstance(ips, list):
-        raise _bad(f"server_ip must be a list of strings, got {_kind(ips)}")
-    if not ips:
-        raise _bad("server_ip must not be empty")
-    for i, ip in enumerate(ips):
-        if not isinstance(ip, str):
-            raise _bad(f"server_ip[{i}] must be a string, got {_kind(ip)}")
-    if len(ips) > max_candidates and len(set(ips)) > max_candidates:
-        raise _bad(
-            f"server_ip names {len(set(ips))} distinct instances, more than the limit "
-            f"of {max_candidates} (http.maxCandidates)"
-        )
-    body = _fields(top["body"], "body.", _BODY_FIELDS, _BODY_REQUIRED)
-    block_size = body["block_size"]
-    if type(block_size) is not int:
-        raise _bad(f"body.block_size must be an integer, got {_kind(block_size)}")
-    if block_size <= 0:
-        raise _bad(f"body.block_size must be greater than 0, got {block_size}")
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise _bad(f"body.cache_salt must be a string or null, got {_kind(salt)}")
-    token_ids = _token_ids(body["token_ids"], raw)
-    inputs = request_inputs.parse_inputs(body, len(token_ids), vllm_version)
-    request = HitRateRequest(
-        ips,
-        token_ids,
-        block_size,
-        salt or None,
-        inputs,
-        request_id=parse_request_id(top.get("request_id")),
-    )
-    _check_lookups(request, max_candidates)
-    return request
-
-
-def _check_lookups(request: HitRateRequest, max_candidates: int) -> None:
-    """Bound one request's Redis work: distinct candidates × full blocks (set look-ups per
-    tier) at most ``max_candidates × LOOKUPS_PER_CANDIDATE``; a tiny block size over a long
-    prompt would otherwise ask Redis for billions of look-ups."""
-    blocks = len(request.token_ids) // request.block_size
-    limit = max_candidates * LOOKUPS_PER_CANDIDATE
-    if blocks * len(request.server_ips) > limit:  # cheap bound first: duplicates cost nothing
-        distinct = len(set(request.server_ips))
-        if blocks * distinct > limit:
-            raise _bad(
-                f"the request needs {blocks * distinct} block look-ups per tier "
-                f"({distinct} instances × {blocks} blocks), more than the limit of "
-                f"{limit} (http.maxCandidates × {LOOKUPS_PER_CANDIDATE})"
-            )
-
-
-def _fields(
-    doc: Any, prefix: str, allowed: tuple[str, ...], required: tuple[str, ...]
-) -> dict[str, Any]:
-    where = prefix.rstrip(".") or "the request body"
-    if not isinstance(doc, dict):
-        raise _bad(f"{where} must be a JSON object, got {_kind(doc)}")
-    for name in doc:
-        if name not in allowed:
-            raise _bad(f"the request has an unknown field {prefix}{name}")
-    for name in required:
-        if name not in doc:
-            raise _bad(f"the required field {prefix}{name} is missing")
-    return doc
-
-
-def _token_ids(ids: Any, raw: bytes) -> Sequence[int]:
-    """JSON integers only (no ``true``, no ``1.0``); the range is the hasher's to check.
-
-    Usually returns the ids as an ``array("Q")``: the conversion that validates them is the
-    one the hasher needs, so it is done once per request.
-    """
-    if not isinstance(ids, list):
-        raise _bad(f"body.token_ids must be a list of integers, got {_kind(ids)}")
-    if not ids:
-        return ids
-    if (converted := _plain_ints(ids, raw)) is not None:
-        return converted
-    # The loop below only names the culprit (or finds none: ints the hasher range-checks).
-    for i, t in enumerate(ids):
-        if type(t) is not int:
-            raise _bad(f"body.token_ids[{i}] must be a non-negative integer, got {t!r}")
-    return ids
-
-
-def _plain_ints(ids: list[Any], raw: bytes) -> array[int] | None:
-    """The ids as ``array("Q")`` if every one is an int (not a bool) in ``[0, 2**64)``, in C
-    passes over the list; else None.
-
-    ``array("Q", …)`` takes exactly the ints and bools in ``[0, 2**64)``, a bool as 0 or 1;
-    so only the ids that came out as 0 or 1 need their type checked (numpy finds them), and
-    none at all when the body has no ``true``/``false`` anywhere.
-    """
-    try:
-        converted = array("Q", ids)
-    except (TypeError, OverflowError):
-        return None
-    zeros_and_ones = np.flatnonzero(np.frombuffer(converted, np.uint64) <= 1).tolist()
-    if zeros_and_ones and (b"true" in raw or b"false" in raw):
-        if any(type(ids[i]) is not int for i in zeros_and_ones):
-            return None
-    return converted
-
-
-def _kind(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        type(None): "null",
-    }
-    return names.get(type(value), type(value).__name__)
-
-
-def _bad(message: str) -> RequestError:
-    return RequestError(400, message)
 
 
 def score(
@@ -259,7 +93,7 @@ def score(
     ``on_hits`` gets every distinct candidate's hits, the prompt's chains and the candidates'
     views (the audit's record)."""
     views = views if views is not None else ViewCache()
-    chains: dict[tuple[int, int], Sequence[bytes]] = {}
+    chains: dict[ChainKey, Sequence[bytes]] = {}
 
     def chain(unit: int, lookahead: int = 0) -> Sequence[bytes]:
         if (unit, lookahead) not in chains:  # hashes every full unit, range-checks every id
@@ -279,22 +113,9 @@ def score(
     if n_tokens < request.block_size:  # no full block: nothing to read
         hits = {ip: (Hit(0, 0.0), Hit(0, 0.0)) for ip in distinct}
     else:
-        try:
-            hits = _read_hits(
-                distinct,
-                Scorer(n_tokens, request.block_size, chain, store),
-                views,
-                vllm_version,
-                metrics,
-            )
-        except redis.RedisError as exc:
-            metrics.redis_errors.inc(op="hit_rate")
-            logger.warning("hit rate: Redis failed: %s", exc)
-            raise RequestError(500, UNREACHABLE) from None
-    for l1, l3 in hits.values():
-        for tier, hit in (("l1", l1), ("l3", l3)):
-            for reason in hit.reasons:
-                metrics.inexact.inc(tier=tier, reason=reason)
+        scorer = Scorer(n_tokens, request.block_size, chain, store)
+        hits = _read_hits(distinct, scorer, views, vllm_version, metrics)
+    _count_inexact(hits, metrics)
     if on_hits is not None:
         on_hits(hits, chain, views)
     if hits:  # what the router can gain from this request: its best candidate, per tier
@@ -303,10 +124,17 @@ def score(
     return [_answer(ip, *hits[ip], detail) for ip in request.server_ips]
 
 
+def _count_inexact(hits: dict[str, tuple[Hit, Hit]], metrics: ApiMetrics) -> None:
+    for l1, l3 in hits.values():
+        for tier, hit in (("l1", l1), ("l3", l3)):
+            for reason in hit.reasons:
+                metrics.inexact.inc(tier=tier, reason=reason)
+
+
 def _member_keys(hasher: Hasher, request: HitRateRequest, unit: int, lookahead: int) -> list[bytes]:
     """The request's chain at ``unit``, each block hashed with the ``lookahead`` tokens after
     it (spec vllm-extra-keys.md §5; 0 = vLLM's plain chain). LoRA, items and lookahead only
-    when there are some: a plain request calls the hasher exactly as before."""
+    when there are some: a plain request calls the hasher with no ``inputs``."""
     inputs = request.inputs
     if lookahead:
         inputs = replace(inputs, lookahead=lookahead)
@@ -324,21 +152,27 @@ def _read_hits(
 ) -> dict[str, tuple[Hit, Hit]]:
     """Round 1 with every candidate's cached view and its descriptors; a candidate whose
     descriptors changed starts over with its new view in the next round trip, together
-    with the reads the others still need (:mod:`services.api.read_plan`)."""
-    old = {ip: views.get(ip) for ip in ips}
-    first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
-    scorer.execute()
-    changed = 0
-    for ip in ips:
-        fields, l3_groups = first[ip].descriptors
-        if raw_of(fields, l3_groups) != old[ip].raw:
-            fresh = parse_view(fields, l3_groups, vllm_version, views.empty.lookahead)
-            views.put(ip, fresh)
-            scorer.queue(ip, fresh, descriptors=False)
-            changed += 1
-    if changed:
-        metrics.group_rereads.inc(changed)
-    return scorer.finish()
+    with the reads the others still need (:mod:`services.api.read_plan`). A Redis failure is
+    counted, logged and answered 500."""
+    try:
+        old = {ip: views.get(ip) for ip in ips}
+        first = {ip: scorer.queue(ip, old[ip]) for ip in ips}
+        scorer.execute()
+        changed = 0
+        for ip in ips:
+            fields, l3_groups = first[ip].descriptors
+            if raw_of(fields, l3_groups) != old[ip].raw:
+                fresh = parse_view(fields, l3_groups, vllm_version, views.empty.lookahead)
+                views.put(ip, fresh)
+                scorer.queue(ip, fresh, descriptors=False)
+                changed += 1
+        if changed:
+            metrics.group_rereads.inc(changed)
+        return scorer.finish()
+    except redis.RedisError as exc:
+        metrics.redis_errors.inc(op="hit_rate")
+        logger.warning("hit rate: Redis failed: %s", exc)
+        raise RequestError(500, UNREACHABLE) from None
 
 
 def _answer(ip: str, l1: Hit, l3: Hit, detail: bool) -> dict[str, Any]:

@@ -54,7 +54,6 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
     prometheus_client is imported here, in the worker: the gunicorn master must not import
     it before it has set ``PROMETHEUS_MULTIPROC_DIR`` (:mod:`services.api.api_metrics`)."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import GaugeMetricFamily
 
     try:
         report = build_report(reader.read(), limits)
@@ -62,6 +61,17 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
         metrics.redis_errors.inc(op="metrics")
         logger.warning("cannot read the instances' status for /metrics: %s", exc)
         return ""
+    families = [*_instance_metrics(report["instances"]), *_master_metrics(report["masters"])]
+    families += _redis_memory(reader, metrics)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
+
+
+def _instance_metrics(instances: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
+    """The per-instance gauges of the status report's instances."""
+    from prometheus_client.core import GaugeMetricFamily
+
     state = GaugeMetricFamily(
         "cache_indexer_instance_l1_state",
         "1 for the instance's current L1 state (see GET /kv-cache/instances)",
@@ -87,7 +97,7 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
         "1 when the instance's hit ratios are exact, 0 when only a lower bound (groups.exact)",
         labels=("server_ip",),
     )
-    for inst in report["instances"]:
+    for inst in instances:
         ip, l1 = inst["server_ip"], inst["l1"]
         for st in STATES:
             state.add_metric((ip, st.value), 1 if l1["state"] == st else 0)
@@ -99,11 +109,7 @@ def status_metrics(reader: StatusReader, limits: Limits, metrics: ApiMetrics) ->
         if l1["last_event_age_s"] is not None:
             age.add_metric((ip,), l1["last_event_age_s"])
         exact.add_metric((ip,), 1 if inst["groups"]["exact"] else 0)
-    families = [state, check, blocks, age, exact, *_master_metrics(report["masters"])]
-    families += _redis_memory(reader, metrics)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families))
-    return generate_latest(registry).decode()
+    return [state, check, blocks, age, exact]
 
 
 class _Families:
@@ -122,23 +128,21 @@ def _redis_memory(reader: StatusReader, metrics: ApiMetrics) -> list[GaugeMetric
     from prometheus_client.core import GaugeMetricFamily
 
     try:
-        info = reader.r.info("memory")
+        used_bytes, max_bytes = reader.memory()
     except redis.ResponseError:  # INFO refused (an ACL without it): not an outage
         return []
     except redis.RedisError as exc:
         metrics.redis_errors.inc(op="metrics")
         logger.warning("cannot read Redis INFO memory for /metrics: %s", exc)
         return []
-    # A cluster client answers {node: {field: value}}, a single server {field: value}.
-    nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
     used = GaugeMetricFamily(
         "cache_indexer_redis_used_memory_bytes", "Redis used_memory (summed over cluster nodes)"
     )
-    used.add_metric((), sum(float(n.get("used_memory", 0)) for n in nodes))
+    used.add_metric((), used_bytes)
     limit = GaugeMetricFamily(
         "cache_indexer_redis_maxmemory_bytes", "Redis maxmemory (0 = unbounded; summed)"
     )
-    limit.add_metric((), sum(float(n.get("maxmemory", 0)) for n in nodes))
+    limit.add_metric((), max_bytes)
     return [used, limit]
 
 

@@ -24,7 +24,7 @@ its hit when it holds more than the first chunk (a hole in the middle of a longe
 makes that the blocks up to the first sampled miss: never more than a full read).
 A single-group tier keeps its flags as two numbers (:class:`PrefixRead`), a hybrid's as
 byte arrays run through :func:`common.hit_rule.hit_tokens` (:class:`TierRead`). Reads go
-through :class:`common.store.Reads` (members encoded once per request and index set, shared
+through :class:`common.store_reads.Reads` (members encoded once per request and index set, shared
 by every candidate that reads the same indices of the same chain; commands of at most
 :data:`MAX_MEMBERS` members).
 """
@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from common.store import Reads
+from common.store_reads import Reads
 
 FIRST = 8
 """Probes per group and tier that round 1 reads from the start."""

@@ -2,8 +2,8 @@
 
 They become one :class:`~common.blockhash_extra.HashInputs` that every chain of the request
 is hashed with (L1 and L3, every hash unit of a hybrid model, ``?detail=1``). A body with
-none of them gives :data:`~common.blockhash_extra.PLAIN`, and the hasher is called exactly
-as before. Every problem is a 400 with one sentence naming the field:
+none of them gives :data:`~common.blockhash_extra.PLAIN`, and the hasher is called without
+extra keys. Every problem is a 400 with one sentence naming the field:
 
 - ``lora_name`` / ``lora_path``: a string or null; ``""`` means no LoRA. A LoRA on vLLM
   0.10.2 - 0.11.0 (keyed by a server-assigned id) and a missing ``lora_path`` on >= 0.31
@@ -17,6 +17,7 @@ as before. Every problem is a 400 with one sentence naming the field:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from common import blockhash_extra as extras
@@ -61,14 +62,7 @@ def _items(raw: Any) -> tuple[MmItem, ...]:
 
 def _item(i: int, doc: Any) -> MmItem:
     where = f"body.mm_features[{i}]"
-    if not isinstance(doc, dict):
-        raise _bad(f"{where} must be an object, got {_kind(doc)}")
-    for name in doc:
-        if name not in _ITEM_FIELDS:
-            raise _bad(f"the request has an unknown field {where}.{name}")
-    for name in _ITEM_REQUIRED:
-        if name not in doc:
-            raise _bad(f"the required field {where}.{name} is missing")
+    doc = check_object(doc, where, f"{where}.", _ITEM_FIELDS, _ITEM_REQUIRED)
     identifier, modality = doc["identifier"], doc.get("modality")
     if not isinstance(identifier, str) or not identifier:
         raise _bad(f"{where}.identifier must be a non-empty string, got {_kind(identifier)}")
@@ -87,11 +81,39 @@ def _release(version: tuple[int, ...]) -> tuple[int, int, int]:
     return padded[0], padded[1], padded[2]
 
 
+def check_object(
+    doc: Any,
+    where: str,
+    prefix: str,
+    allowed: Collection[str],
+    required: Collection[str],
+    *,
+    noun: str = "an object",
+    empty: bool = True,
+) -> dict[str, Any]:
+    """``doc`` if it is an object with only ``allowed`` fields and every ``required`` one;
+    else the refusal naming ``where`` (the object) or ``prefix`` + the field."""
+    if not isinstance(doc, dict):
+        raise bad(f"{where} must be {noun}, got {kind(doc, empty=empty)}")
+    for name in doc:
+        if name not in allowed:
+            raise bad(f"the request has an unknown field {prefix}{name}")
+    for name in required:
+        if name not in doc:
+            raise bad(f"the required field {prefix}{name} is missing")
+    return doc
+
+
 def _kind(value: Any) -> str:
+    return kind(value, empty=True)
+
+
+def kind(value: Any, *, empty: bool = False) -> str:
+    """A JSON value's type as a refusal names it (``empty``: ``""`` as an empty string)."""
     names = {
         dict: "an object",
         list: "a list",
-        str: "an empty string" if value == "" else "a string",
+        str: "an empty string" if empty and value == "" else "a string",
         bool: "a boolean",
         int: "an integer",
         float: "a number",
@@ -100,5 +122,9 @@ def _kind(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _bad(message: str) -> RequestError:
+def bad(message: str) -> RequestError:
+    """A refusal of the request (400)."""
     return RequestError(400, message)
+
+
+_bad = bad

@@ -3,10 +3,10 @@
 An instance's KV-cache groups are what the L1 ingester learned from its events
 (``ci:{ip}:l1:groups``, :mod:`common.keys`); the L3 poller's ``groups`` field says which
 group sets Mooncake holds. :func:`parse_view` turns both into a :class:`View`: a
-**single-group** view (no descriptor, or one full-attention-family group 0) may read the
-request's blocks per tier and answers the longest run from block 0 as before; a **hybrid**
-view may read each group's set at the positions :func:`common.hit_rule.probe_indices`
-names and answers :func:`common.hit_rule.hit_tokens`. Which of those are read, round by
+**single-group** view (no descriptor, or one full-attention-family group 0) answers by
+:class:`common.hit_rule.LongestPrefix` at the request's block size, a **hybrid** one by its
+:class:`common.hit_rule.Rule`: both a :class:`common.hit_rule.HitRule`, which says which chain
+indices may be read and the answer (tokens and ratio) from them. Which of those are read, round by
 round, until the answer is proven: :mod:`services.api.read_plan` (:class:`Scorer` runs the
 rounds). Views are cached per instance (:class:`ViewCache`); the first round trip also
 re-reads the descriptors, and a candidate whose descriptors changed starts over with its
@@ -29,13 +29,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from common import hit_rule, keys
-from common.group_view import UNCONFIRMED_UNIT, parse_groups
+from common.group_view import checks_unit, parse_groups, unit_reasons
 from common.group_view import lookahead as lookahead_of
-from common.hit_rule import Rule
-from common.store import Reads
+from common.hit_rule import HitRule, LongestPrefix, Rule
+from common.store_reads import Reads, group_sets, queue_descriptors, queue_hash_check
 from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
+ChainKey = tuple[int, int]
+"""A chain of the prompt: (hash unit, lookahead L)."""
 Chain = Callable[[int, int], Sequence[bytes]]
 """(hash unit, lookahead L) → the prompt's member keys at that unit, each block hashed with
 the L tokens after it (once per distinct pair and request)."""
@@ -130,7 +131,7 @@ def _parse_view(
         rule=groups.rule,
         reasons=groups.reasons,
         l3_reasons=l3_reasons,
-        check_unit=not groups.unit_from_config,
+        check_unit=checks_unit(groups),
     )
 
 
@@ -194,14 +195,20 @@ class Scorer:
         self.candidates: dict[str, Candidate] = {}
         self.round_trips = 0
         self._encoded: dict[Hashable, list[bytes]] = {}
-        self._chains: dict[tuple[int, int], tuple[Hashable, Sequence[bytes]]] = {}
+        self._chains: dict[ChainKey, tuple[Hashable, Sequence[bytes]]] = {}
         self._round = Round(self._encoded)
+        self._prefix = LongestPrefix(block_size)
+
+    def _rule(self, view: View) -> HitRule:
+        """The candidate's hit rule: its hybrid rule, else the longest prefix at the
+        request's block size."""
+        return view.rule if view.rule is not None else self._prefix
 
     def _chain(self, view: View) -> tuple[Hashable, Sequence[bytes]]:
         """The prompt's member keys as this candidate's sets hold them, with a name that is
         the same for every candidate sharing the chain (hashed once per request): the chain
         of its hash unit and lookahead L (with L > 0 only the blocks L tokens follow)."""
-        unit = view.rule.hash_unit if view.rule is not None else self.block_size
+        unit = self._rule(view).hash_unit
         key = (unit, view.lookahead)
         found = self._chains.get(key)
         if found is None:
@@ -214,10 +221,11 @@ class Scorer:
         c = Candidate(view, self._tier(ip, view, "l1"), self._tier(ip, view, "l3"))
         r = self._round
         if descriptors:
-            r.field(r.reads.hgetall(keys.l1_groups(ip)), c, "fields")
-            r.field(r.reads.hget(keys.l3_state(ip), "groups"), c, "l3_field")
+            fields, l3_field = queue_descriptors(r.reads, ip)
+            r.field(fields, c, "fields")
+            r.field(l3_field, c, "l3_field")
         if view.check_unit:
-            r.field(r.reads.hget(keys.l1_state(ip), "hash_check"), c, "hash_check")
+            r.field(queue_hash_check(r.reads, ip), c, "hash_check")
         for tier in (c.l1, c.l3):
             if tier is not None:
                 for g, idx in tier.next_reads(first=True):
@@ -265,32 +273,26 @@ class Scorer:
         if view.rule is None:
             if not min(self.n, hashed):
                 return None
-            key = keys.tier_set(ip, "l1") if tier == "l1" else keys.l3_set(ip)
+            (key,) = group_sets(ip, tier, (0,))
             return PrefixRead(key, min(self.n, hashed), chain)
         rule, num_tokens = view.rule, self.num_tokens
-        if tier == "l1":
-            set_keys = [keys.tier_group_set(ip, "l1", g) for g in view.l1_groups]
-        else:
-            set_keys = [keys.l3_group_set(ip, g) for g in view.l1_groups]
+        set_keys = group_sets(ip, tier, view.l1_groups)
         probes: list[Sequence[int]] = [
-            _below(hit_rule.probe_indices(rule, pos, num_tokens), hashed)
-            for pos in range(len(set_keys))
+            _below(rule.probes(pos, num_tokens), hashed) for pos in range(len(set_keys))
         ]
         return TierRead(
             set_keys,
             probes,
             num_tokens // rule.hash_unit,
-            lambda flags: hit_rule.hit_tokens(rule, num_tokens, flags),
-            lambda tokens: tokens // rule.hash_unit,
+            lambda flags: rule.answer(num_tokens, flags),
+            rule.limit,
             chain,
         )
 
     def evaluate(self, c: Candidate) -> tuple[Hit, Hit]:
         """The (L1, L3) hits of one candidate from its proven answers."""
         view = c.view
-        extra: tuple[str, ...] = ()
-        if view.check_unit and c.hash_check != "ok":
-            extra = (UNCONFIRMED_UNIT,)
+        extra = unit_reasons(view.check_unit, c.hash_check)
         l1 = self._hit(view, c.l1, c.answers[0], view.reasons + extra)
         l3 = self._hit(view, c.l3, c.answers[1], view.l3_reasons + extra)
         return l1, l3
@@ -298,15 +300,13 @@ class Scorer:
     def _hit(
         self, view: View, tier: Tier | None, answer: int | None, reasons: tuple[str, ...]
     ) -> Hit:
-        n, size = self.n, self.block_size
         if tier is None:
             return Hit(0, 0.0, reasons)
         assert answer is not None  # finish() proved every answer
-        if view.rule is None:
-            if view.block_size and view.block_size != size:
-                reasons += (BLOCK_SIZE_DIFFERS,)
-            return Hit(min(answer, (self.num_tokens - 1) // size) * size, answer / n, reasons)
-        return Hit(answer, min(answer, n * size) / (n * size), reasons)
+        if view.rule is None and view.block_size and view.block_size != self.block_size:
+            reasons += (BLOCK_SIZE_DIFFERS,)
+        tokens, ratio = self._rule(view).hit(answer, self.num_tokens, self.block_size)
+        return Hit(tokens, ratio, reasons)
 
 
 def _below(probes: Sequence[int], hashed: int) -> Sequence[int]:

@@ -27,6 +27,7 @@ Pure (no I/O), so every rule here is unit-tested directly:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -38,13 +39,15 @@ from common.events import (
     EventBatch,
     hash_to_int,
 )
+from common.tiers import EventTier
 from common.store import TierOps
 
-L1, L2 = "l1", "l2"
+L1: EventTier = "l1"
+L2: EventTier = "l2"
 _KNOWN_MEDIA = frozenset({"CPU", "STORAGE", "DISK", "GPU"})
 
 
-def tier_for_medium(medium: str | None) -> str:
+def tier_for_medium(medium: str | None) -> EventTier:
     """``l1`` for GPU (or no medium: vLLM < 0.10.2), ``l2`` for every other medium."""
     return L1 if medium is None or medium.upper() == "GPU" else L2
 
@@ -116,14 +119,14 @@ def _plan_event(event: Event, plan: Plan) -> tuple[str, str]:
         tier = _tier(plan, event.medium)
         if tier == L1:
             _learn_lookahead(plan, event.lookahead_token_ids)
-        _add(plan, "S", tier, group, [hash_to_int(h) for h in event.block_hashes])
+        _add(plan, plan.ops.store, tier, group, [hash_to_int(h) for h in event.block_hashes])
         return "BlockStored", tier
     assert isinstance(event, BlockRemoved)
     group = event.group_idx or 0
     if group < 0:
         return "BlockRemoved", "skipped:bad_group"
     tier = _tier(plan, event.medium)
-    _add(plan, "R", tier, group, [hash_to_int(h) for h in event.block_hashes])
+    _add(plan, plan.ops.remove, tier, group, [hash_to_int(h) for h in event.block_hashes])
     return "BlockRemoved", tier
 
 
@@ -144,26 +147,22 @@ def _learn_lookahead(plan: Plan, lookahead: list[list[int]] | None) -> None:
         plan.lookahead = len(lookahead[0])
 
 
-def _tier(plan: Plan, medium: str | None) -> str:
+def _tier(plan: Plan, medium: str | None) -> EventTier:
     tier = tier_for_medium(medium)
     if tier != L1:
         plan.other_media[medium_label(medium)] += 1
     return tier
 
 
-def _add(plan: Plan, op: str, tier: str, group: int, hashes: list[int]) -> None:
-    """Append ``op``; merge into the previous op when it is the same op on the same tier and
-    group (descriptors between them are applied first by the store, so they do not part)."""
+def _add(
+    plan: Plan,
+    write: Callable[[EventTier, list[int], int], None],
+    tier: EventTier,
+    group: int,
+    hashes: list[int],
+) -> None:
     plan.hash_updates[tier] += len(hashes)
-    ops = plan.ops.ops
-    for last in reversed(ops):
-        if last[0] in ("D", "H", "A"):
-            continue
-        if last[0] == op and last[1] == tier and last[2] == group:
-            last[3].extend(hashes)
-            return
-        break
-    ops.append((op, tier, group, hashes))
+    write(tier, hashes, group)
 
 
 # -- sequence tracking --------------------------------------------------------------------

@@ -45,24 +45,16 @@ Pure apart from logging and metrics (no I/O); the subscriber writes its counts t
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from common.blockhash import (
     ALGOS,
-    DEFAULT_NONE_HASH_SEED,
-    ExtraKeys,
     HashSettings,
     chain_digests,
-    effective_seed,
-    seed_none_hash,
-    tags_extra_keys,
     to_event_int,
 )
 from common.events import BlockStored, Event, hash_to_int
@@ -70,6 +62,14 @@ from common.lifecycle import StateLog
 from common.status_report import HashCheck
 from common.hit_rule import FULL_ATTENTION_KINDS
 from services.l1_ingest.apply import tier_for_medium
+from services.l1_ingest.hashcheck_keys import SEEDS
+from services.l1_ingest.hashcheck_keys import TAGGED
+from services.l1_ingest.hashcheck_keys import UNTAGGED
+from services.l1_ingest.hashcheck_keys import Candidate
+from services.l1_ingest.hashcheck_keys import Uncheckable
+from services.l1_ingest.hashcheck_keys import expected_candidate
+from services.l1_ingest.hashcheck_keys import hash_side_keys
+from services.l1_ingest.hashcheck_keys import none_hash
 from services.l1_ingest.metrics import IngestMetrics
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,6 @@ logger = logging.getLogger(__name__)
 OK, MISMATCH, UNCHECKED = HashCheck.OK, HashCheck.MISMATCH, HashCheck.UNCHECKED
 _ROOT_KINDS = frozenset({None, *FULL_ATTENTION_KINDS})
 """Kinds whose null parent is the chain root (``None``: versions that send no kind)."""
-UNTAGGED, TAGGED = "untagged", "tagged"
 EXTRA_KEYS_PUBLISHED_SINCE = (0, 17, 0)
 """The first vLLM whose BlockStored carries each block's extra keys (``extra_keys``)."""
 VERIFIED_MAX = 4096
@@ -88,107 +87,6 @@ candidate hashes: a few tens of ms; a found explanation is re-tried first, for o
 MISMATCH_HOLD = 60.0
 """Seconds the verdict stays ``mismatch`` after the last mismatching block: when only some
 blocks differ (salted prompts under the wrong extra-key rule) the status must not flicker."""
-SEEDS = (
-    "0",
-    DEFAULT_NONE_HASH_SEED,
-    "",
-    "1",
-    "42",
-    "random",
-    "1234",
-    "12345",
-    *(str(i) for i in range(2, 256)),
-)
-"""Seeds tried on a mismatch besides the configured one: vLLM's default, the empty string,
-"random" and the small integers operators set (a few ms of hashing, once per change)."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way of hashing: PYTHONHASHSEED string, algo, extra-key rule."""
-
-    seed: str
-    algo: str
-    rule: str
-
-    def describe(self, keyed: bool) -> str:
-        parts = [f"pythonHashSeed {self.seed!r}", self.algo]
-        if keyed:
-            parts.append(_RULE_TEXT[self.rule])
-        return ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-_RULE_TEXT = {
-    UNTAGGED: "untagged extra keys (vLLM 0.12-0.30)",
-    TAGGED: "tagged extra keys (vLLM >= 0.31)",
-}
-
-
-class Uncheckable(Exception):
-    """This event cannot be checked; ``args[0]`` is a short reason (a metric label)."""
-
-
-def hash_side_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKeys]:
-    """The extra keys vLLM hashed for each block of ``event``, under an extra-key rule; with
-    ``lookahead_token_ids`` (vLLM >= 0.33) each block's ``(keys, *lookahead tokens)``."""
-    keys = _published_keys(event, rule, at_root)
-    lookahead = event.lookahead_token_ids
-    if lookahead is None:
-        return keys
-    if len(lookahead) != len(keys):
-        raise Uncheckable("lookahead_misaligned")
-    return [(k, *tokens) for k, tokens in zip(keys, lookahead, strict=True)]
-
-
-def _published_keys(event: BlockStored, rule: str, at_root: bool) -> list[ExtraKeys]:
-    n = len(event.block_hashes)
-    if event.extra_keys is None:
-        if not event.lora_name:
-            return [None] * n
-        if rule == TAGGED:
-            raise Uncheckable("lora_path")
-        return [(event.lora_name,)] * n
-    if len(event.extra_keys) != n:
-        raise Uncheckable("extra_keys_misaligned")
-    if rule == UNTAGGED:
-        return [None if keys is None else _tuple(keys) for keys in event.extra_keys]
-    if event.lora_name:
-        raise Uncheckable("lora_path")
-    return [
-        None if keys is None else _tagged(keys, i == 0 and at_root)
-        for i, keys in enumerate(event.extra_keys)
-    ]
-
-
-def _tuple(value: Any) -> Any:
-    """Lists (msgpack arrays) back to the tuples vLLM hashed (pickle tells them apart)."""
-    return tuple(map(_tuple, value)) if isinstance(value, list) else value
-
-
-def _tagged(keys: list[Any], first_block: bool) -> tuple[object, ...]:
-    """vLLM >= 0.31 publishes untagged keys (``to_event_extra_keys``); tag them back."""
-    out: list[object] = []
-    for item in keys:
-        if isinstance(item, list) and len(item) == 2:
-            out.append(("mm", *_tuple(item)))
-        elif isinstance(item, bytes):
-            out.append(("prompt_embeds", item))
-        elif isinstance(item, str) and first_block:
-            out.append(("cache_salt", item))
-        else:
-            raise Uncheckable("extra_keys_unknown")
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=4096)
-def _none_hash(algo: str, seed: str) -> bytes:
-    return seed_none_hash(algo, seed)
-
-
-def expected_candidate(settings: HashSettings) -> Candidate:
-    """How the config says the engine hashes (raises ConfigError for an unset seed < 0.29)."""
-    rule = TAGGED if tags_extra_keys(settings.vllm_version) else UNTAGGED
-    return Candidate(effective_seed(settings), settings.algo, rule)
 
 
 class HashChecker:
@@ -248,7 +146,7 @@ class HashChecker:
         if parent_int is None:
             if event.kv_cache_spec_kind not in _ROOT_KINDS:
                 return  # a sparse group's first kept block: its parent is not stored
-            parent = _none_hash(self.expected.algo, self.expected.seed)
+            parent = none_hash(self.expected.algo, self.expected.seed)
         else:  # the commonest case first: a parent never verified (costs no budget)
             found = self.verified.get(
                 parent_int if type(parent_int) is int else hash_to_int(parent_int)
@@ -465,7 +363,7 @@ class HashChecker:
     def _matches(self, cand: Candidate, event: BlockStored, parent: bytes, index: int) -> bool:
         at_root = event.parent_block_hash is None
         if at_root and index == 0:
-            parent = _none_hash(cand.algo, cand.seed)
+            parent = none_hash(cand.algo, cand.seed)
         size = event.block_size
         try:
             extras = hash_side_keys(event, cand.rule, at_root)

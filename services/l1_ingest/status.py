@@ -190,7 +190,7 @@ class StatusBoard:
                 self.settings,
                 self.cfg.hash_check_rate,
                 metrics=self.metrics,
-                hash_unit=self.cfg.hybrid_settings(inst.model)[0],
+                hash_unit=self.cfg.hybrid_settings(inst.model).prefix_match_unit,
             )
         except ConfigError as exc:
             return InstanceStatus(inst, None, f"cannot check: {exc}")

@@ -207,6 +207,12 @@ class Subscriber:
             inst.gen,
         )
 
+    def _group_settings(self, inst: Instance) -> GroupSettings:
+        unit = self.cfg.hybrid_settings(inst.model)
+        return GroupSettings(
+            unit.prefix_match_unit, unit.attention_chunk_size, max(1, inst.dp_size)
+        )
+
     def _open_rank(self, inst: Instance, rank: int) -> None:
         gen, seq, digest = self._digests.get((inst.ip, rank), (None, None, b""))
         stream = RankStream(
@@ -220,7 +226,7 @@ class Subscriber:
             metrics=self.metrics,
             last_digest=(seq, digest) if gen == inst.gen and seq is not None else None,
             status=self.board.of(inst),
-            groups=GroupSettings(*self.cfg.hybrid_settings(inst.model), max(1, inst.dp_size)),
+            groups=self._group_settings(inst),
         )
         conn = RankConn.open(stream, self.ctx, self.cfg, self.metrics)
         self._conns[(inst.ip, rank)] = conn

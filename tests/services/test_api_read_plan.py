@@ -14,7 +14,8 @@ import pytest
 from common import hit_rule, keys
 from common.blockhash import BlockHasher
 from common.settings import ApiSettings
-from common.store import Instance, Reads, Store, TierOps
+from common.store import Instance, Store, TierOps
+from common.store_reads import Reads
 from services.api import read_plan
 from services.api.api_metrics import ApiMetrics
 from services.api.hit_rate import HitRateRequest, score

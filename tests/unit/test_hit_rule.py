@@ -52,7 +52,9 @@ from common.hit_rule import (
     NOT_CACHED_KINDS,
     SLIDING_WINDOW_KINDS,
     GroupSpec,
+    HitRule,
     Inexact,
+    LongestPrefix,
     build_rule,
     hit_tokens,
     prefix_blocks,
@@ -641,6 +643,30 @@ def test_single_fa_group_examples() -> None:
     assert coarse.alignment == 32
     assert hit_tokens(coarse, 200, [[0, 1, 0, 1, 1, 0, 0, 1, 0, 1, 0, 1]]) == 64
     assert list(probe_indices(coarse, 0, 200)) == [1, 3, 5, 7, 9, 11]
+
+
+@PROPERTY
+@given(
+    block=st.sampled_from([1, 2, 16]),
+    flags=st.lists(st.integers(0, 1), min_size=1, max_size=60),
+    extra=st.integers(0, 15),
+)
+def test_longest_prefix_is_the_single_fa_rule_behind_one_interface(
+    block: int, flags: list[int], extra: int
+) -> None:
+    """Both rules answer through HitRule; a lone full-attention group's hybrid rule and the
+    longest prefix agree on the tokens, and the ratio counts every held block (the contract)."""
+    n = len(flags) * block + extra % block
+    prefix: HitRule = LongestPrefix(block)
+    hybrid: HitRule = build_rule([GroupSpec("full_attention", block)], block)
+    blocks = prefix.answer(n, [flags])
+    assert blocks == prefix_blocks(flags) and prefix.limit(blocks) == blocks
+    assert list(prefix.probes(0, n)) == list(range(len(flags)))
+    tokens, ratio = prefix.hit(blocks, n, block)
+    assert tokens == hybrid.answer(n, [flags]) == min(blocks, (n - 1) // block) * block
+    assert ratio == blocks / len(flags)
+    assert hybrid.hit(tokens, n, block) == (tokens, tokens / (len(flags) * block))
+    assert set(hybrid.probes(0, n)) <= set(prefix.probes(0, n))
 
 
 def test_prefix_blocks() -> None:

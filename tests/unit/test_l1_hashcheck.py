@@ -17,13 +17,10 @@ from common.events import BlockStored, Event, decode_batch
 from services.l1_ingest.hashcheck import (
     MISMATCH,
     OK,
-    TAGGED,
     UNCHECKED,
-    UNTAGGED,
     HashChecker,
-    Uncheckable,
-    hash_side_keys,
 )
+from services.l1_ingest.hashcheck_keys import TAGGED, UNTAGGED, Uncheckable, hash_side_keys
 from services.l1_ingest.metrics import IngestMetrics
 from services.simulator.cache_model import PrefixCacheModel, Request
 from tests.conftest import DATA
@@ -170,9 +167,9 @@ def test_unverified_parents_are_not_checked_and_other_groups_are() -> None:
 def _chain(tokens: list[int], unit: int, parent: bytes | None = None) -> list[int]:
     """vLLM's event integers of ``tokens`` chained at ``unit`` (seed "0", sha256_cbor)."""
     from common.blockhash import chain_digests, to_event_int
-    from services.l1_ingest.hashcheck import _none_hash
+    from services.l1_ingest.hashcheck_keys import none_hash
 
-    root = parent or _none_hash("sha256_cbor", "0")
+    root = parent or none_hash("sha256_cbor", "0")
     digests = chain_digests("sha256_cbor", root, tokens, unit, [None] * (len(tokens) // unit))
     return [to_event_int(d) for d in digests]
 

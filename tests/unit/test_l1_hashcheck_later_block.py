@@ -14,7 +14,8 @@ import pytest
 
 from common.blockhash import HashSettings, chain_digests, seed_none_hash, to_event_int
 from common.events import BlockStored
-from services.l1_ingest.hashcheck import MISMATCH, TAGGED, UNTAGGED, HashChecker
+from services.l1_ingest.hashcheck import MISMATCH, HashChecker
+from services.l1_ingest.hashcheck_keys import TAGGED, UNTAGGED
 from services.l1_ingest.metrics import IngestMetrics
 from tests.metrics_oracle import value_of
 
