@@ -5,7 +5,9 @@ at are found among keys of other units in any order."""
 from __future__ import annotations
 
 from services.l3_poller.completeness import unmappable_units
-from services.l3_poller.keys_parser import host_of, split_key
+from services.l3_poller.index import MasterIndex, SegmentMap
+from services.l3_poller.keys_parser import host_of
+from tests.keys_oracle import split_key
 
 HEX = b"%064x" % 0xABC
 
@@ -14,6 +16,14 @@ def test_a_key_without_a_prefix_is_no_key() -> None:
     assert split_key(b"@" + HEX) is None
     assert split_key(HEX) is None
     assert split_key(b"M@" + HEX) == (b"M", b"", 0xABC)
+
+
+def test_the_poller_counts_a_key_without_a_prefix_as_unparsed() -> None:
+    """The hot path (``MasterIndex.feed``, which inlines the oracle's split) agrees."""
+    index = MasterIndex(locate=False)
+    index.begin(SegmentMap([], {}))
+    assert index.feed([b"@" + HEX, HEX]) == []
+    assert (index.stats.parsed, index.stats.skipped["unparsed"]) == (0, 2)
 
 
 def test_the_rehash_check_reads_past_keys_of_other_units() -> None:
