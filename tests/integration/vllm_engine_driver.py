@@ -313,12 +313,19 @@ class Run:
             if line.startswith("cache_indexer_l3_write_seconds_count")
         )
 
-    def ask_index(self, prompt: list[int], request_id: str) -> dict[str, Any]:
-        body = {"token_ids": prompt, "block_size": ve.BLOCK}
+    def ask_index(self, prompt: list[int], request_id: str | None = None) -> dict[str, Any]:
+        """The index's detailed answer for ``prompt``; with ``request_id`` it is recorded
+        for the audit (an outcome report may follow)."""
+        question: dict[str, Any] = {
+            "server_ip": [IP],
+            "body": {"token_ids": prompt, "block_size": ve.BLOCK},
+        }
+        if request_id is not None:
+            question["request_id"] = request_id
         doc = httpx.post(
             f"http://127.0.0.1:{self.api}/kv-cache/hit-rate",
             params={"detail": 1},
-            json={"server_ip": [IP], "body": body, "request_id": request_id},
+            json=question,
             timeout=10,
         ).json()
         return dict(doc["server_score_list"][0])
