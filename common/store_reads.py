@@ -14,6 +14,7 @@ import redis
 
 from common import keys
 from common.redis_client import Client, text, text_dict
+from common.tiers import Tier
 
 _WRITE_BYTES = 1 << 20
 """Bytes of packed commands built at a time for one pipelined read."""
@@ -159,7 +160,7 @@ def queue_hash_check(reads: Reads, ip: str) -> int:
     return reads.hget(keys.l1_state(ip), "hash_check")
 
 
-def group_sets(ip: str, tier: str, groups: Sequence[int]) -> list[str]:
+def group_sets(ip: str, tier: Tier, groups: Sequence[int]) -> list[str]:
     """The set keys of ``groups`` of an instance in tier ``l1`` (or else ``l3``) that the
     hit-rate read probes (group 0 is the tier's plain set)."""
     if tier == "l1":

@@ -33,6 +33,7 @@ from common.group_view import checks_unit, parse_groups, unit_reasons
 from common.group_view import lookahead as lookahead_of
 from common.hit_rule import HitRule, LongestPrefix, Rule
 from common.store_reads import Reads, group_sets, queue_descriptors, queue_hash_check
+from common.tiers import Tier as TierName
 from services.api.read_plan import PrefixRead, Round, Tier, TierRead
 
 ChainKey = tuple[int, int]
@@ -264,7 +265,7 @@ class Scorer:
                     self._round.probe(tier, g, idx)
                 c.waiting = True
 
-    def _tier(self, ip: str, view: View, tier: str) -> Tier | None:
+    def _tier(self, ip: str, view: View, tier: TierName) -> Tier | None:
         readable = view.l1_groups if tier == "l1" else view.l3_groups
         if not self.n or not readable:
             return None
