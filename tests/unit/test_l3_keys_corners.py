@@ -5,7 +5,8 @@ at are found among keys of other units in any order."""
 from __future__ import annotations
 
 from services.l3_poller.completeness import unmappable_units
-from services.l3_poller.keys_parser import host_of, split_key
+from services.l3_poller.keys_parser import host_of
+from tests.keys_oracle import split_key
 
 HEX = b"%064x" % 0xABC
 
