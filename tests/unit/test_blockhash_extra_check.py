@@ -1,0 +1,54 @@
+"""``blockhash_extra.check`` (what the API's request parsing and the ``hash`` command ask
+before hashing) refuses exactly what ``plan`` refuses, with its sentence (issue 33, mutmut
+survivors of ``common/blockhash_extra.py``): the LoRA path required from 0.31 on, lookahead
+accepted from 0.33.0 itself, and the messages a 400 shows."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from common.blockhash_extra import HashInputs, MmItem, check, plan
+
+LOOKAHEAD_REFUSED = "vLLM < 0.33 does not hash lookahead tokens (lookahead must be 0)"
+
+
+def _refusal(call: object) -> str | None:
+    try:
+        call()  # type: ignore[operator]
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("version", "inputs", "refusal"),
+    [
+        ((0, 31, 0), HashInputs(lora_name="a"), "lora_path is required"),
+        ((0, 30, 9), HashInputs(lora_name="a"), None),
+        ((0, 31, 0), HashInputs(lora_name="a", lora_path="/p"), None),
+        ((0, 33, 0), HashInputs(lookahead=2), None),
+        ((0, 32, 9), HashInputs(lookahead=2), re.escape(LOOKAHEAD_REFUSED)),
+        ((0, 11, 0), HashInputs(lora_name="a"), "keys LoRA blocks by the server-assigned"),
+    ],
+)
+def test_check_refuses_what_plan_refuses_with_the_same_sentence(
+    version: tuple[int, int, int], inputs: HashInputs, refusal: str | None
+) -> None:
+    ids = list(range(10))
+    checked = _refusal(lambda: check(version, inputs, len(ids)))
+    planned = _refusal(lambda: plan(version, ids, 4, None, inputs))
+    assert checked == planned
+    if refusal is None:
+        assert checked is None
+    else:
+        assert checked is not None and re.search(refusal, checked), checked
+    if version == (0, 32, 9):
+        assert checked == LOOKAHEAD_REFUSED
+
+
+def test_an_item_that_is_no_mm_item_is_named_with_its_type() -> None:
+    with pytest.raises(ValueError) as caught:
+        HashInputs(mm_items=(MmItem("a", 0, 1), "b"))  # type: ignore[arg-type]
+    assert str(caught.value) == "mm_features[1] must be an MmItem, not str"
