@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from common.blockhash import BlockHasher, HashSettings
 from common.blockhash_extra import HashInputs, MmItem, check, plan
 
 LOOKAHEAD_REFUSED = "vLLM < 0.33 does not hash lookahead tokens (lookahead must be 0)"
@@ -52,3 +53,18 @@ def test_an_item_that_is_no_mm_item_is_named_with_its_type() -> None:
     with pytest.raises(ValueError) as caught:
         HashInputs(mm_items=(MmItem("a", 0, 1), "b"))  # type: ignore[arg-type]
     assert str(caught.value) == "mm_features[1] must be an MmItem, not str"
+
+
+@pytest.mark.usefixtures("hash_path")
+@pytest.mark.parametrize("n_tokens", [0, 1, 5, 6])
+def test_a_lookahead_prompt_without_a_block_followed_by_l_tokens_hashes_nothing(
+    n_tokens: int,
+) -> None:
+    """Lookahead 2, blocks of 4: 0 to 5 tokens hash no block (the empty chain is built
+    without a block's tail to index); 6 tokens hash one, as vLLM >= 0.33 does."""
+    hasher = BlockHasher(HashSettings(vllm_version=(0, 33, 0)))
+    inputs = HashInputs(lookahead=2)
+    digests = hasher.digests(list(range(n_tokens)), 4, inputs=inputs)
+    assert len(digests) == (1 if n_tokens == 6 else 0)
+    ints = hasher.event_ints(list(range(n_tokens)), 4, inputs=inputs)
+    assert ints == [int.from_bytes(d[-8:], "big") for d in digests]
