@@ -10,7 +10,9 @@ import re
 import pytest
 
 from common.blockhash import BlockHasher, HashSettings
-from common.blockhash_extra import HashInputs, MmItem, check, plan
+from common.blockhash_extra import MAX_MM_ITEMS, HashInputs, MmItem, check, plan
+
+MAX_LOOKAHEAD = 64  # documented (docs/api.md): the limit itself, not read from the module
 
 LOOKAHEAD_REFUSED = "vLLM < 0.33 does not hash lookahead tokens (lookahead must be 0)"
 
@@ -68,3 +70,18 @@ def test_a_lookahead_prompt_without_a_block_followed_by_l_tokens_hashes_nothing(
     assert len(digests) == (1 if n_tokens == 6 else 0)
     ints = hasher.event_ints(list(range(n_tokens)), 4, inputs=inputs)
     assert ints == [int.from_bytes(d[-8:], "big") for d in digests]
+
+
+def test_the_limits_are_inclusive_and_a_bad_lora_argument_is_named() -> None:
+    """Lookahead 64 and 1,024 items are accepted (65 and 1,025 are not, as documented);
+    a non-string ``lora_path`` is named with its type."""
+    assert HashInputs(lookahead=MAX_LOOKAHEAD).lookahead == MAX_LOOKAHEAD
+    with pytest.raises(ValueError, match=r"lookahead must be an integer in \[0, 64\]"):
+        HashInputs(lookahead=MAX_LOOKAHEAD + 1)
+    items = tuple(MmItem(f"i{n}", n, 1) for n in range(MAX_MM_ITEMS + 1))
+    assert len(HashInputs(mm_items=items[:MAX_MM_ITEMS]).mm_items) == MAX_MM_ITEMS
+    with pytest.raises(ValueError, match="1025 items, more than the limit of 1024"):
+        HashInputs(mm_items=items)
+    with pytest.raises(ValueError) as caught:
+        HashInputs(lora_name="a", lora_path=7)  # type: ignore[arg-type]
+    assert str(caught.value) == "lora_path must be a string, not int"
