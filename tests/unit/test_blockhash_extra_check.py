@@ -85,3 +85,9 @@ def test_the_limits_are_inclusive_and_a_bad_lora_argument_is_named() -> None:
     with pytest.raises(ValueError) as caught:
         HashInputs(lora_name="a", lora_path=7)  # type: ignore[arg-type]
     assert str(caught.value) == "lora_path must be a string, not int"
+
+
+def test_a_salt_that_is_no_string_is_named_with_its_type() -> None:
+    with pytest.raises(ValueError) as caught:
+        plan((0, 31, 0), [1, 2, 3, 4], 4, 5, HashInputs())  # type: ignore[arg-type]
+    assert str(caught.value) == "cache_salt must be a string, not int"
