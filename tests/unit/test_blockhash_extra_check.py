@@ -33,7 +33,12 @@ def _refusal(call: object) -> str | None:
         ((0, 31, 0), HashInputs(lora_name="a", lora_path="/p"), None),
         ((0, 33, 0), HashInputs(lookahead=2), None),
         ((0, 32, 9), HashInputs(lookahead=2), re.escape(LOOKAHEAD_REFUSED)),
-        ((0, 11, 0), HashInputs(lora_name="a"), "keys LoRA blocks by the server-assigned"),
+        (
+            (0, 11, 0),
+            HashInputs(lora_name="a"),
+            r"^vLLM 0\.11\.0 keys LoRA blocks by the server-assigned lora_int_id, which cannot be "
+            r"derived from a LoRA name \(LoRA requests are supported from vLLM 0\.11\.1\)$",
+        ),
     ],
 )
 def test_check_refuses_what_plan_refuses_with_the_same_sentence(
