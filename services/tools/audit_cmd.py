@@ -12,22 +12,16 @@ the document. Exit status: 0, 1 if Redis cannot be read, 2 for a bad config.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from typing import Any, TextIO
 
-import orjson
-import redis
-
 from common import shell
 from common.audit_report import read_audit
-from common.config import config_path_from, load_config
-from common.errors import ConfigError
-from common.redis_client import Client, connect, describe
+from common.config import Config
+from common.redis_client import Client
+from services.tools.report_cmd import RED, run, table
 
 _PROG = "cache-indexer audit"
-_RED, _RESET = "\033[31m", "\033[0m"
 _WORST_COLS = (
     "SERVER_IP",
     "REPORTS",
@@ -67,30 +61,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str], out: TextIO | None = None) -> int:
     args = _parse(argv)
-    out = out or sys.stdout
-    try:
-        cfg = load_config(config_path_from(args.config))
-    except ConfigError as exc:
-        return shell.config_failure(_PROG, exc).code
-    worst = cfg.audit.worst_instances if args.worst is None else max(0, args.worst)
-    recent = cfg.audit.recent if args.recent is None else max(0, args.recent)
-    client: Client | None = None
-    try:
-        client = connect(cfg.redis, retries=1)
+
+    def read(cfg: Config, client: Client) -> dict[str, Any]:
+        worst = cfg.audit.worst_instances if args.worst is None else max(0, args.worst)
+        recent = cfg.audit.recent if args.recent is None else max(0, args.recent)
         doc = read_audit(client, worst, recent)
-    except redis.RedisError as exc:
-        print(f"{_PROG}: cannot read Redis at {describe(cfg.redis)}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if client is not None:
-            client.close()
-    doc["enabled"] = cfg.audit.enabled
-    if args.json:
-        out.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 0
-    color = out.isatty() and not os.environ.get("NO_COLOR")
-    out.write(render(doc, color, now_ms=int(time.time() * 1000)))
-    return 0
+        doc["enabled"] = cfg.audit.enabled
+        return doc
+
+    return run(_PROG, args, out, read, lambda doc, color: render(doc, color, _now_ms()))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def render(doc: dict[str, Any], color: bool = False, now_ms: int = 0) -> str:
@@ -98,10 +81,12 @@ def render(doc: dict[str, Any], color: bool = False, now_ms: int = 0) -> str:
     text = _totals_line(doc.get("totals", {}))
     if not doc.get("enabled", True):
         text = "the audit is off (audit.enabled: false)\n" + text
-    worst = [(_worst_row(w, now_ms), bool(w["unexplained"])) for w in doc["worst_instances"]]
-    text += "\n" + (_table(_WORST_COLS, worst, color) if worst else "no unexplained reports\n")
-    recent = [(_recent_row(d, now_ms), not d.get("explained")) for d in doc["recent_discrepancies"]]
-    text += "\n" + (_table(_RECENT_COLS, recent, color) if recent else "no discrepancies\n")
+    worst = [(_worst_row(w, now_ms), _red(w["unexplained"])) for w in doc["worst_instances"]]
+    text += "\n" + (table(_WORST_COLS, worst, color) if worst else "no unexplained reports\n")
+    recent = [
+        (_recent_row(d, now_ms), _red(not d.get("explained"))) for d in doc["recent_discrepancies"]
+    ]
+    text += "\n" + (table(_RECENT_COLS, recent, color) if recent else "no discrepancies\n")
     return text
 
 
@@ -159,10 +144,5 @@ def _age(ms: int, now_ms: int) -> str:
     return f"{max(0.0, (now_ms - ms) / 1000):.0f}s"
 
 
-def _table(cols: tuple[str, ...], rows: list[tuple[list[str], bool]], color: bool) -> str:
-    widths = [max(len(c), *(len(r[i]) for r, _ in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
-    for cells, bad in rows:
-        line = "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
-        lines.append(f"{_RED}{line}{_RESET}" if color and bad else line)
-    return "\n".join(lines) + "\n"
+def _red(problem: object) -> str:
+    return RED if problem else ""

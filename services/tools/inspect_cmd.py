@@ -11,22 +11,16 @@ the API's document. Exit status: 0, 1 if Redis cannot be read, 2 for a bad confi
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any, TextIO
 
-import orjson
-import redis
-
-from common.config import config_path_from, load_config
-from common.errors import ConfigError
 from common import shell
-from common.redis_client import Client, connect, describe
+from common.config import Config
+from common.redis_client import Client
 from common.settings import instance_limits
 from common.status_report import HashCheck, InstanceState, build_report
 from common.store_status import StatusReader
+from services.tools.report_cmd import RED, YELLOW, run, table
 
-_RED, _YELLOW, _RESET = "\033[31m", "\033[33m", "\033[0m"
 _BAD_STATES = {
     InstanceState.UNASSIGNED,
     InstanceState.UNREACHABLE,
@@ -69,36 +63,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str], out: TextIO | None = None) -> int:
-    args = _parse(argv)
-    out = out or sys.stdout
-    try:
-        cfg = load_config(config_path_from(args.config))
-    except ConfigError as exc:
-        return shell.config_failure(_PROG, exc).code
-    client: Client | None = None
-    try:  # the one Redis client factory: AUTH, TLS and cluster as configured
-        client = connect(cfg.redis, retries=1)
-        report = build_report(StatusReader(client).read(), instance_limits(cfg))
-    except redis.RedisError as exc:
-        print(f"{_PROG}: cannot read Redis at {describe(cfg.redis)}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if client is not None:
-            client.close()
-    if args.json:
-        out.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 0
-    color = out.isatty() and not os.environ.get("NO_COLOR")
-    out.write(render_table(report, color))
-    return 0
+    def read(cfg: Config, client: Client) -> dict[str, Any]:
+        return build_report(StatusReader(client).read(), instance_limits(cfg))
+
+    return run(_PROG, _parse(argv), out, read, render_table)
 
 
 def render_table(report: dict[str, Any], color: bool = False) -> str:
     """The report as two aligned tables; problem rows coloured when ``color``."""
     rows = [(_instance_row(i), _instance_problem(i)) for i in report["instances"]]
-    text = _table(_INSTANCE_COLS, rows, color) if rows else "no instances registered\n"
+    text = table(_INSTANCE_COLS, rows, color) if rows else "no instances registered\n"
     masters = [(_master_row(m), _master_problem(m)) for m in report["masters"]]
-    text += "\n" + (_table(_MASTER_COLS, masters, color) if masters else "no masters\n")
+    text += "\n" + (table(_MASTER_COLS, masters, color) if masters else "no masters\n")
     return text
 
 
@@ -158,8 +134,8 @@ def _kinds_cell(groups: dict[str, Any]) -> str:
 def _instance_problem(inst: dict[str, Any]) -> str:
     l1 = inst["l1"]
     if l1["hash_check"] == HashCheck.MISMATCH or l1["state"] in _BAD_STATES or inst["l3"]["stale"]:
-        return _RED
-    return _YELLOW if l1["state"] == "replaying" else ""
+        return RED
+    return YELLOW if l1["state"] == "replaying" else ""
 
 
 def _master_row(m: dict[str, Any]) -> list[str]:
@@ -177,17 +153,8 @@ def _master_row(m: dict[str, Any]) -> list[str]:
 
 def _master_problem(m: dict[str, Any]) -> str:
     if m["stale"] or m["error"] or m["keys"] is None:
-        return _RED
-    return _YELLOW if m["keys_unparsed"] or m["keys_unmappable_group"] else ""
-
-
-def _table(cols: tuple[str, ...], rows: list[tuple[list[str], str]], color: bool) -> str:
-    widths = [max(len(c), *(len(r[i]) for r, _ in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
-    for cells, problem in rows:
-        line = "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
-        lines.append(f"{problem}{line}{_RESET}" if color and problem else line)
-    return "\n".join(lines) + "\n"
+        return RED
+    return YELLOW if m["keys_unparsed"] or m["keys_unmappable_group"] else ""
 
 
 def _secs(value: float | None) -> str:
