@@ -103,7 +103,9 @@ for top in ("common", "services"):
             p.unlink()
 EOF
 fi
-export PYTHONPATH="$ROOT/mutants"
+# The tree itself comes second: on the very first run mutants/ does not exist yet when pytest
+# loads tests/mutation_rerun.py (the plugin), and mutmut's own copy wins for everything else.
+export PYTHONPATH="$ROOT/mutants:$ROOT"
 unset CI  # a skipped test is not a kill, and a prerequisite missing here is not a mutant's doing
 
 for p in "${paths[@]}"; do
