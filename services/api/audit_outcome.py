@@ -21,7 +21,6 @@ discrepancies (:mod:`services.api.audit_store`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import falcon
@@ -33,7 +32,7 @@ from common.errors import RequestError
 from services.api import audit_store
 from services.api.api_metrics import ApiMetrics
 from services.api.audit_record import parse_request_id
-from services.api.audit_verdict import Outcome, classify
+from services.api.audit_verdict import Outcome, Report, classify
 from services.api.hit_rate_request import read_body
 
 logger = logging.getLogger(__name__)
@@ -44,15 +43,6 @@ _FIELDS = ("request_id", "server_ip", "cached_tokens", "prompt_tokens", "source"
 _REQUIRED = ("request_id", "server_ip", "cached_tokens")
 _MAX_TOKENS = 1 << 40
 UNREACHABLE = "the outcome could not be recorded: the state store is unreachable"
-
-
-@dataclass(frozen=True)
-class Report:
-    request_id: str
-    server_ip: str
-    cached_tokens: int
-    prompt_tokens: int | None = None
-    source: str = "router"
 
 
 def parse_report(raw: bytes) -> Report:

@@ -10,7 +10,7 @@ instances keep ``audit.worstInstances`` members, the recent discrepancies ``audi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -19,10 +19,7 @@ from common.audit_report import loads as _loads
 from common.audit_report import text as _text
 from common.config import Audit
 from services.api.audit_record import PREFIX_MEMBERS
-from services.api.audit_verdict import Evidence, Outcome, Verdict, stop_block
-
-if TYPE_CHECKING:
-    from services.api.audit_outcome import Report
+from services.api.audit_verdict import Evidence, Outcome, Report, Verdict, stop_block
 
 INSTANCE_TTL = 86_400
 """Seconds an instance's tallies outlive its last report."""

@@ -63,6 +63,17 @@ CALLER_REASONS = frozenset({"request_block_size_differs"})
 
 
 @dataclass(frozen=True)
+class Report:
+    """One outcome report as ``POST /kv-cache/outcome`` received it (validated)."""
+
+    request_id: str
+    server_ip: str
+    cached_tokens: int
+    prompt_tokens: int | None = None
+    source: str = "router"
+
+
+@dataclass(frozen=True)
 class Evidence:
     """What the outcome endpoint read at report time."""
 
