@@ -6,20 +6,17 @@ tests/integration/ascend_mooncake_driver.py, run under ``unshare -n``."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import mooncake_missing, require
+from tests.integration import netns
 
 pytestmark = pytest.mark.mooncake
 
 DRIVER = Path(__file__).with_name("ascend_mooncake_driver.py")
-ROOT = DRIVER.parents[2]
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 
 
@@ -27,18 +24,7 @@ A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 def run() -> dict[str, Any]:
     reason = mooncake_missing()
     require(reason is None, f"the Mooncake side cannot run: {reason}")
-    proc = subprocess.run(
-        ["unshare", "-n", "sh", "-c", f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, f"driver failed: {proc.stderr[-3000:]}"
-    out: dict[str, Any] = json.loads(lines[-1])
-    assert "error" not in out, json.dumps(out, indent=1)[-6000:]
-    return out
+    return netns.last_result(DRIVER, 180)
 
 
 def test_every_put_succeeded(run: dict[str, Any]) -> None:

@@ -16,8 +16,6 @@ fails instead.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +23,12 @@ import pytest
 
 from tests.conftest import in_ci, mooncake_missing, require
 from tests.integration import vllm_audit as va
+from tests.integration import netns
 from tests.integration import vllm_engine as ve
 
 pytestmark = [pytest.mark.vllm_engine, pytest.mark.mooncake]
 
 DRIVER = Path(__file__).with_name("vllm_engine_driver.py")
-ROOT = DRIVER.parents[2]
 HYBRIDS = ("swa", "linear")
 TIMEOUT = 1200
 
@@ -39,23 +37,7 @@ TIMEOUT = 1200
 def runs() -> dict[str, dict[str, Any]]:
     missing = ve.engine_missing() or mooncake_missing()
     require(missing is None, f"{missing} (scripts/setup.sh installs it)")
-    proc = subprocess.run(
-        [
-            "unshare",
-            "-n",
-            "sh",
-            "-c",
-            f'ip link set lo up && exec "{sys.executable}" "{DRIVER}" '
-            f"--models {','.join(ve.MODELS)} --audit",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"driver failed: {proc.stderr[-3000:]}"
+    lines = netns.run_driver(DRIVER, TIMEOUT, "--models", ",".join(ve.MODELS), "--audit")
     return {line["model"]: line for line in lines}
 
 

@@ -13,21 +13,18 @@ venv, ``unshare`` or root (``tests.conftest.require``); under ``CI=true`` that f
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import require
+from tests.integration import netns
 from tests.integration import vllm_engine as ve
 
 pytestmark = pytest.mark.vllm_engine
 
 DRIVER = Path(__file__).with_name("vllm_mm_driver.py")
-ROOT = DRIVER.parents[2]
 TIMEOUT = 900
 Q = 40  # tests/integration/vllm_mm_engine.py QUERY_TOKENS
 
@@ -36,19 +33,7 @@ Q = 40  # tests/integration/vllm_mm_engine.py QUERY_TOKENS
 def run() -> dict[str, Any]:
     missing = ve.engine_missing() or ve.netns_missing()
     require(missing is None, f"{missing} (scripts/setup.sh installs it)")
-    proc = subprocess.run(
-        ["unshare", "-n", "sh", "-c", f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"driver failed: {proc.stderr[-3000:]}"
-    out = lines[-1]
-    assert "error" not in out, json.dumps(out, indent=1)[-8000:]
-    return dict(out)
+    return netns.last_result(DRIVER, TIMEOUT)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

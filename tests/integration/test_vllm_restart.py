@@ -12,37 +12,26 @@ fails instead.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import require
+from tests.integration import netns
 from tests.integration import vllm_engine as ve
 from tests.integration.vllm_restart_driver import SCENARIOS
 
 pytestmark = [pytest.mark.vllm_engine]
 
 DRIVER = Path(__file__).with_name("vllm_restart_driver.py")
-ROOT = DRIVER.parents[2]
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, Any]]:
     missing = ve.engine_missing()
     require(missing is None, f"{missing} (scripts/setup.sh installs it)")
-    proc = subprocess.run(
-        ["unshare", "-n", "sh", "-c", f'ip link set lo up && exec "{sys.executable}" "{DRIVER}"'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"driver failed: {proc.stderr[-3000:]}"
+    lines = netns.run_driver(DRIVER, 1800)
     return {line["scenario"]: line for line in lines}
 
 
