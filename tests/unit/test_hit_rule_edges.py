@@ -70,3 +70,26 @@ def test_the_sparse_window_reads_no_edge_past_the_bound() -> None:
     a-aligned edge is at block 64; the edge at 128 lies past the bound."""
     rule = build_rule(SHAPES["dsv4"][0], 4)
     assert list(probe_indices(rule, 3, 510)) == [0, 1, 62, 63]
+
+
+def test_a_window_or_chunk_of_one_token_is_valid_and_zero_is_not() -> None:
+    """The smallest window and chunk are one token; only a value below 1 is refused. Kills
+    ``used <= 1`` and ``used < 2`` in ``_validate``."""
+    swa = build_rule([GroupSpec("full_attention", 16), GroupSpec("sliding_window", 16, 1)], 16)
+    assert hit_tokens(swa, 49, [[1, 1, 1], [0, 0, 1]]) == 48  # w1 needs no block before L
+    chunked = [GroupSpec("full_attention", 16), GroupSpec("chunked_local_attention", 16, None, 1)]
+    assert build_rule(chunked, 16).alignment == 16
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            build_rule([GroupSpec("sliding_window", 16, bad)], 16)
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            build_rule([GroupSpec("chunked_local_attention", 16, None, bad)], 16)
+
+
+def test_a_chunk_size_is_checked_only_on_the_groups_that_use_it() -> None:
+    """The registry gives an instance's configured chunk to every group
+    (common.group_view); only a chunked-local group reads it, so a full-attention or
+    sliding-window group is never refused for it. Kills ``_validate`` reading the chunk of
+    every non-sliding-window group."""
+    groups = [GroupSpec("full_attention", 16, None, 0), GroupSpec("sliding_window", 16, 32, 0)]
+    assert build_rule(groups, 16).alignment == 16
