@@ -130,3 +130,18 @@ def test_candidates_reading_the_same_indices_share_one_encoding() -> None:
     rnd2.probe(a, 0, range(0, 10))
     assert len(encoded["c"]) >= 10
     assert rnd2.reads.blobs[0].encoded == encode_members(members[:10])
+
+
+def test_ranges_of_one_chain_send_exactly_their_members_whatever_was_encoded_before() -> None:
+    """The per-chain encoded pieces grow as longer ranges need them; each command still sends
+    exactly its own members, in order. Kills the pieces replaced instead of extended
+    (``pieces = [...]``: a later, longer range sent other members than it asked about)."""
+    m = 40
+    members = [b"m%d" % i for i in range(m)]
+    tiers = [PrefixRead(f"k{i}", m, ("c", members)) for i in range(3)]
+    rnd = Round()
+    for tier, idx in zip(tiers, (range(0, 10), range(5, 20), range(3, 40)), strict=True):
+        rnd.probe(tier, 0, idx)
+    sent = [rnd.reads.blobs[cmd[2]] for cmd in rnd.reads.cmds]
+    assert [b.members for b in sent] == [members[0:10], members[5:20], members[3:40]]
+    assert [b.encoded for b in sent] == [encode_members(b.members) for b in sent]
