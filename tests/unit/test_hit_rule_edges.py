@@ -6,6 +6,7 @@ fail (docs/testing.md, "Issue 33", the hit rule's survivors).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from common.hit_rule import GroupSpec, build_rule, hit_tokens, probe_indices, last_token_bound
@@ -93,3 +94,24 @@ def test_a_chunk_size_is_checked_only_on_the_groups_that_use_it() -> None:
     every non-sliding-window group."""
     groups = [GroupSpec("full_attention", 16, None, 0), GroupSpec("sliding_window", 16, 32, 0)]
     assert build_rule(groups, 16).alignment == 16
+
+
+def test_flags_of_any_truthy_kind_count_as_held() -> None:
+    """``present[g][i]`` is truthy (the hit rule's contract): 0/1 ints, bools, values past a
+    byte, and numpy arrays of a wider dtype (whose raw bytes are not one per flag) give the
+    same hit. Kills ``as_bytes``' slow path broken (``None``, ``map(None, …)``), its
+    fallback after a refused ``bytearray`` (``raw = None``), and the length check inverted
+    (a numpy int64 array read byte by byte)."""
+    rule = build_rule([GroupSpec("sliding_window", 16, 48), GroupSpec("full_attention", 16)], 16)
+    n = 16 * 12 + 1
+    swa = [0, 1, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1]
+    fa = [1] * 10 + [0, 1]
+    want = hit_tokens(rule, n, [swa, fa])
+    assert want == 8 * 16
+    for kind in (
+        lambda f: [bool(x) for x in f],
+        lambda f: [x * 1000 for x in f],
+        lambda f: np.array(f, dtype=np.int64),
+        lambda f: np.array(f, dtype=np.uint8),
+    ):
+        assert hit_tokens(rule, n, [kind(swa), kind(fa)]) == want
