@@ -103,9 +103,12 @@ for top in ("common", "services"):
             p.unlink()
 EOF
 fi
-# The tree itself comes second: on the very first run mutants/ does not exist yet when pytest
-# loads tests/mutation_rerun.py (the plugin), and mutmut's own copy wins for everything else.
-export PYTHONPATH="$ROOT/mutants:$ROOT"
+# mutants/ must exist before mutmut starts: Python caches "nothing here" for a sys.path entry
+# that is missing at start-up and never looks again, and mutmut drops the tree itself from
+# sys.path, so on a checkout's first run pytest found no `tests` package for its plugin
+# (tests/mutation_rerun.py) and the run stopped.
+mkdir -p mutants
+export PYTHONPATH="$ROOT/mutants"
 unset CI  # a skipped test is not a kill, and a prerequisite missing here is not a mutant's doing
 
 for p in "${paths[@]}"; do
