@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from common import keys
 from common.health import Health
@@ -15,7 +17,7 @@ from common.metrics import Registry
 from common.store import Instance, RegistryChange
 from services.discovery.metrics import DiscoveryMetrics
 from services.discovery.reconcile import Desired, Reconciler, run
-from tests.conftest import wait_for
+from tests.conftest import reserve_port, wait_for
 from tests.metrics_oracle import value_of
 from tests.store_oracle import OracleStore
 
@@ -109,6 +111,24 @@ def test_the_loop_reports_readiness_as_the_registry_condition(redis_client: redi
         assert value_of(rec.metrics.errors, kind="internal") >= 1
         assert "the last pass failed" in health.readiness()[1]
         assert store.instance_ips() == {"10.0.0.1"}
+    finally:
+        stop.set()
+        loop.join(10)
+    assert not loop.is_alive()
+
+
+def test_the_loop_is_not_ready_while_redis_is_down_and_says_why() -> None:
+    dead = redis.Redis(port=reserve_port(), retry=Retry(NoBackoff(), 0))
+    rec = Reconciler(OracleStore(dead), "a", 5.0, DiscoveryMetrics.register(Registry()))
+    source = _Source(Desired({"10.0.0.1": _inst("10.0.0.1")}, None))
+    health, stop = Health(), threading.Event()
+    loop = threading.Thread(target=run, args=(source, rec, stop, Backoff(0.05, 0.2), health))
+    loop.start()
+    try:
+        wait_for(lambda: value_of(rec.metrics.errors, kind="redis") >= 2, what="two failed passes")
+        ready, text = health.readiness()
+        assert not ready and text.startswith("not ready: registry: Redis: ConnectionError: "), text
+        assert health.conditions() == [("registry", False)]
     finally:
         stop.set()
         loop.join(10)
