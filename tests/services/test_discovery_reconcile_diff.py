@@ -111,6 +111,10 @@ def test_the_loop_reports_readiness_as_the_registry_condition(redis_client: redi
         assert value_of(rec.metrics.errors, kind="internal") >= 1
         assert "the last pass failed" in health.readiness()[1]
         assert store.instance_ips() == {"10.0.0.1"}
+        source.fail = False  # the loop outlives a failed pass
+        source.changed.set()
+        wait_for(lambda: health.conditions() == [("registry", True)], what="ready again")
+        assert store.instance_ips() == set()
     finally:
         stop.set()
         loop.join(10)
@@ -133,3 +137,25 @@ def test_the_loop_is_not_ready_while_redis_is_down_and_says_why() -> None:
         stop.set()
         loop.join(10)
     assert not loop.is_alive()
+
+
+def test_release_on_shutdown_hands_the_lease_over_at_once(redis_client: redis.Redis) -> None:
+    a, _ = _reconciler(redis_client)
+    b = Reconciler(OracleStore(redis_client), "b", 5.0, DiscoveryMetrics.register(Registry()))
+    assert a.hold_lease() and not b.hold_lease()
+    a.release()
+    assert redis_client.get(keys.lease("discovery")) is None
+    assert not a.held and value_of(a.metrics.lease_held) == 0
+    c = Reconciler(OracleStore(redis_client), "c", 5.0, DiscoveryMetrics.register(Registry()))
+    assert c.hold_lease(), "a standby's next claim takes the lease, without waiting for the TTL"
+
+
+def test_a_registered_ip_without_its_description_is_still_removed(
+    redis_client: redis.Redis,
+) -> None:
+    rec, store = _reconciler(redis_client)
+    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1"), "10.0.0.2": _inst("10.0.0.2")}, None))
+    redis_client.delete(keys.instance_meta("10.0.0.2"))
+    rec.sync(Desired({"10.0.0.1": _inst("10.0.0.1")}, None))
+    assert store.instance_ips() == {"10.0.0.1"}
+    assert value_of(rec.metrics.changes, action="removed") == 1
