@@ -1,0 +1,170 @@
+"""services.discovery.kube's failure handling, in-process (found open by mutation testing,
+issue 33): how a failed list or watch call is classified (the errors counter's ``kind`` and
+the state line operators read), what a watcher does with each kind, its watch events, and
+the small helpers. The list/watch behaviour against an API server is in
+tests/services/test_discovery_kube.py; each test here names the wrong versions it kills,
+applied by hand and seen to fail (docs/testing.md, "Issue 33")."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from common.lifecycle import Backoff
+from common.metrics import Registry
+from services.discovery import kube
+from services.discovery.kube import PodWatcher, error_kind
+from services.discovery.metrics import DiscoveryMetrics
+from tests.metrics_oracle import value_of
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (ApiException(status=410), "gone"),
+        (ApiException(status=401), "forbidden"),
+        (ApiException(status=403), "forbidden"),
+        (ApiException(status=402), "api_error"),
+        (ApiException(status=404), "api_error"),
+        (ApiException(status=500), "api_error"),
+        (ApiException(status=1), "api_error"),
+        (ApiException(status=0), "unreachable"),
+        (ApiException(status=None), "unreachable"),  # the client's own failure: no response
+        (urllib3.exceptions.MaxRetryError(None, "/api"), "unreachable"),
+        (ConnectionRefusedError(), "unreachable"),
+        (ValueError("bad json"), "decode"),
+        (KeyError("metadata"), "decode"),
+        (TypeError("not a dict"), "decode"),
+        (RuntimeError("bug"), "internal"),
+    ],
+)
+def test_each_failure_has_its_kind(exc: BaseException, kind: str) -> None:
+    """Kills 402 for 401, ``status or 1`` (no response taken for an HTTP answer), the
+    ``unreachable``/``api_error`` choice inverted or on ``status == 1``, and the labels'
+    texts (``XXdecodeXX``, ``INTERNAL``…: the counter's label values are an interface)."""
+    assert error_kind(exc) == kind
+
+
+class _Clock:
+    """Stands in for the watcher's closing Event: records the back-off waits."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return False
+
+    def is_set(self) -> bool:
+        return False
+
+
+def _watcher(changes: list[int] | None = None) -> tuple[PodWatcher, DiscoveryMetrics, _Clock]:
+    metrics = DiscoveryMetrics.register(Registry())
+    seen = changes if changes is not None else []
+    w = PodWatcher(
+        "vllm",
+        None,  # type: ignore[arg-type] - no call reaches the API here
+        "ns",
+        "app=vllm",
+        60.0,
+        Backoff(2.0, 2.0),
+        metrics,
+        lambda: seen.append(1),
+    )
+    clock = _Clock()
+    w._closing = clock  # type: ignore[assignment]
+    return w, metrics, clock
+
+
+def test_a_410_relists_at_once_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Kills ``kind != "gone"`` (every failure relisting at once, a 410 backing off), the
+    relisting state or its reason dropped or changed."""
+    w, metrics, clock = _watcher()
+    with caplog.at_level(logging.INFO, logger=kube.__name__):
+        w._fail(ApiException(status=410))
+    assert clock.waits == []  # no back-off: the resource version is simply too old
+    assert w._state.state == "relisting"
+    assert "pods vllm [app=vllm] in ns: relisting (resource version expired (410))" in (caplog.text)
+    assert value_of(metrics.errors, kind="gone") == 1
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (ApiException(status=403, reason="Forbidden"), "forbidden"),
+        (RuntimeError("boom"), "internal"),
+    ],
+)
+def test_any_other_failure_backs_off_keeping_the_pods_and_says_why(
+    exc: BaseException, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Kills the failing state's text or detail dropped (``None``), the exception's type or
+    message not named, and the back-off skipped."""
+    w, metrics, clock = _watcher()
+    w._pods = {"u1": {"metadata": {"uid": "u1"}}}
+    with caplog.at_level(logging.INFO, logger=kube.__name__):
+        w._fail(exc)
+    assert len(clock.waits) == 1 and 1.0 <= clock.waits[0] <= 2.0  # Backoff(2, 2): [cap/2, cap]
+    assert w._state.state == f"failing: {kind}"
+    line = [r for r in caplog.records if "failing" in r.getMessage()][-1]
+    assert line.levelno == logging.WARNING
+    assert f"{type(exc).__name__}: {kube._short(exc)}; keeping the last good pods" in (
+        line.getMessage()
+    )
+    assert str(exc).split("\n")[0][:20] in line.getMessage()
+    assert w.pods() == [{"metadata": {"uid": "u1"}}]
+    assert value_of(metrics.errors, kind=kind) == 1
+
+
+def test_only_an_unexpected_error_is_logged_with_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Kills ``kind != "internal"`` and the traceback line's text or arguments changed."""
+    for exc, traced in ((RuntimeError("boom"), True), (ApiException(status=500), False)):
+        w, _, _ = _watcher()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=kube.__name__):
+            w._fail(exc)
+        tracebacks = [r for r in caplog.records if r.exc_info]
+        assert bool(tracebacks) == traced, exc
+        if traced:
+            assert tracebacks[0].getMessage() == "pods vllm: unexpected error"
+
+
+def test_watch_events_change_the_pods_and_give_their_resource_version() -> None:
+    w, metrics, _ = _watcher(changes := [])
+    pod = {"metadata": {"uid": "u1", "name": "p1", "resourceVersion": "7"}}
+    assert w._apply({"type": "ADDED", "raw_object": pod}) == "7"
+    assert w.pods() == [pod] and len(changes) == 1
+    moved = {"metadata": {"uid": "u1", "name": "p1", "resourceVersion": "8"}, "x": 1}
+    assert w._apply({"type": "MODIFIED", "raw_object": moved}) == "8"
+    assert w.pods() == [moved]
+    bookmark = {"metadata": {"resourceVersion": "9"}}
+    assert w._apply({"type": "BOOKMARK", "raw_object": bookmark}) == "9"
+    assert w.pods() == [moved] and len(changes) == 2  # a bookmark changes nothing
+    assert w._apply({"type": "DELETED", "raw_object": moved}) == "8"
+    assert w.pods() == [] and len(changes) == 3
+    for bad in (None, "x", {"type": "ADDED"}, {"type": "ADDED", "raw_object": "x"}):
+        assert w._apply(bad) is None
+    assert value_of(metrics.errors, kind="decode") == 4
+    assert w._apply({"type": "ADDED", "raw_object": {"metadata": {"name": "p2"}}}) is None
+    assert [kube._uid(p) for p in w.pods()] == ["p2"]  # no uid: keyed by name
+
+
+def test_the_small_helpers(tmp_path: Path) -> None:
+    """``_read_text`` (the service account's namespace file) and ``_short`` (a state line's
+    detail). Kills the missing file read as ``"XXXX"``, the text not stripped, the cut at
+    another length."""
+    (tmp_path / "namespace").write_bytes("  équipe-1\n".encode())
+    assert kube._read_text(tmp_path / "namespace") == "équipe-1"
+    assert kube._read_text(tmp_path / "missing") == ""
+    assert kube._short(ValueError("a\nb")) == "a b"
+    assert kube._short(ValueError("x" * 200)) == "x" * 200
+    assert kube._short(ValueError("x" * 201)) == "x" * 197 + "..."
+    assert kube._uid({}) == "" and kube._uid({"metadata": None}) == ""
+    assert kube._uid({"metadata": {"uid": "", "name": "n"}}) == "n"
