@@ -1,0 +1,72 @@
+"""Edges of the hasher that mutation testing (issue 33) found unpinned: the event checker's
+:func:`~common.blockhash.chain_digests` contract, and ids at the CBOR width edges on the
+paths that encode a whole chunk at once.
+
+The reference is vLLM's chain spelled with cbor2 / pickle and hashlib (``test_blockhash.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import cbor2
+import pytest
+
+from common.blockhash import BlockHasher, HashSettings, chain_digests
+from tests.unit.test_blockhash import reference_digests
+
+pytestmark = pytest.mark.usefixtures("hash_path")  # every test on every hashing path
+
+ALGOS = ("sha256_cbor", "sha256")
+
+
+def _serialize(algo: str, obj: object) -> bytes:
+    if algo == "sha256":
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return bytes(cbor2.dumps(obj, canonical=True))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_chain_digests_is_vllms_chain_from_the_given_parent(algo: str) -> None:
+    parent = hashlib.sha256(b"a parent").digest()
+    tokens = [2**64 - 1, 0, 2**32, 23, 24, 70_000, 5, 6]
+    got = chain_digests(algo, parent, tokens, 4, [None, ("mm", "img", 0)])
+    first = hashlib.sha256(_serialize(algo, (parent, tuple(tokens[:4]), None))).digest()
+    second = hashlib.sha256(_serialize(algo, (first, tuple(tokens[4:]), ("mm", "img", 0)))).digest()
+    assert got == [first, second]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_chain_digests_refuses_fewer_tokens_than_blocks(algo: str) -> None:
+    """The event checker's chain never hashes a short block: vLLM hashes full blocks only."""
+    parent = hashlib.sha256(b"p").digest()
+    with pytest.raises(ValueError, match="fewer tokens than blocks"):
+        chain_digests(algo, parent, list(range(31)), 16, [None, None])
+    with pytest.raises(ValueError, match="fewer tokens than blocks"):
+        chain_digests(algo, parent, list(range(15)), 16, [None])
+    assert len(chain_digests(algo, parent, list(range(32)), 16, [None, None])) == 2
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("bad", [2**64, 2**65, -1])
+def test_chain_digests_refuses_an_id_past_uint64(algo: str, bad: int) -> None:
+    """A ValueError (the checker counts a ``bad_tokens`` skip), never a digest nor another
+    exception: no vLLM hashes an id of 2**64 or more."""
+    parent = hashlib.sha256(b"p").digest()
+    with pytest.raises(ValueError, match="token id"):
+        chain_digests(algo, parent, [1, 2, 3, bad], 4, [None])
+
+
+@pytest.mark.parametrize("edge", [2**32 - 1, 2**32, 2**32 + 1])
+def test_a_chunk_whose_largest_id_is_at_the_nine_byte_edge(edge: int) -> None:
+    """A chunk of at least ``NUMPY_FROM`` ids whose largest id is exactly 2**32 (the first that
+    needs CBOR's 9-byte form) must take the per-id encoder, before vLLM 0.34 (uint64 ids)."""
+    tokens = [*range(100), edge, *range(27)]  # 128 ids: 8 blocks of 16
+    for salt in (None, "s"):
+        for version in ((0, 28, 0), (0, 31, 0)):
+            settings = HashSettings(vllm_version=version)
+            got = BlockHasher(settings).digests(tokens, 16, salt)
+            assert got == reference_digests(settings, tokens, 16, salt)
+            preimage = BlockHasher(settings).preimages(tokens, 16, salt)[6]
+            assert cbor2.loads(preimage)[1][4] == edge
