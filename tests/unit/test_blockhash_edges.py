@@ -70,3 +70,37 @@ def test_a_chunk_whose_largest_id_is_at_the_nine_byte_edge(edge: int) -> None:
             assert got == reference_digests(settings, tokens, 16, salt)
             preimage = BlockHasher(settings).preimages(tokens, 16, salt)[6]
             assert cbor2.loads(preimage)[1][4] == edge
+
+
+@pytest.mark.parametrize("typecode", ["Q", "q", "L", "l", "I", "i", "H"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_machine_arrays_of_any_typecode_hash_like_lists(typecode: str, algo: str) -> None:
+    """Only an ``array("Q")`` (the API's own conversion) may be read as uint64 words as is;
+    an array of another width or sign is a sequence of ids like any other."""
+    from array import array
+
+    tokens = [(i * 7919) % 30_000 for i in range(200)]
+    hasher = BlockHasher(HashSettings(algo=algo, vllm_version=(0, 34, 0)))
+    expected = hasher.digests(tokens, 16)
+    assert hasher.digests(array(typecode, tokens), 16) == expected
+    assert hasher.digests(array(typecode, tokens[:40]), 16) == expected[:2]
+    assert hasher.event_ints(array(typecode, tokens), 16, "s") == hasher.event_ints(tokens, 16, "s")
+    parent = hashlib.sha256(b"p").digest()
+    assert chain_digests(algo, parent, array(typecode, tokens[:32]), 16, [None, None]) == (
+        chain_digests(algo, parent, tokens[:32], 16, [None, None])
+    )
+
+
+@pytest.mark.parametrize("typecode", ["q", "l", "i"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_negative_id_in_a_signed_array_is_refused(typecode: str, algo: str) -> None:
+    from array import array
+
+    hasher = BlockHasher(HashSettings(algo=algo))
+    for where in (0, 17, 70):  # a hashed block, a later one, the partial block
+        tokens = array(typecode, range(75))
+        tokens[where] = -1
+        with pytest.raises(ValueError, match="token id -1"):
+            hasher.digests(tokens, 16)
+    with pytest.raises(ValueError, match="token id -1"):
+        chain_digests(algo, hashlib.sha256(b"p").digest(), array(typecode, [1, -1]), 2, [None])
