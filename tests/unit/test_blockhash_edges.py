@@ -104,3 +104,22 @@ def test_a_negative_id_in_a_signed_array_is_refused(typecode: str, algo: str) ->
             hasher.digests(tokens, 16)
     with pytest.raises(ValueError, match="token id -1"):
         chain_digests(algo, hashlib.sha256(b"p").digest(), array(typecode, [1, -1]), 2, [None])
+
+
+@pytest.mark.parametrize("limit", [2**31, 2**64])
+def test_id_array_of_every_kind_of_input_is_uint64_ids_and_their_largest(limit: int) -> None:
+    """``id_array``'s contract (the numpy path and the event checker read its result as is):
+    a uint64 array of exactly the ids, and the largest id (0 when there is none)."""
+    from array import array
+
+    import numpy as np
+
+    from common.blockhash_cbor import id_array
+
+    values = [5, 300, 70_000, 2**31 - 1]
+    for tokens in ([], (), array("Q"), array("q"), np.zeros(0, np.int32)):
+        ids, largest = id_array(tokens, limit)
+        assert ids.dtype == np.uint64 and ids.shape == (0,) and largest == 0
+    for kind in (list, tuple, lambda v: array("Q", v), lambda v: array("l", v), np.array):
+        ids, largest = id_array(kind(values), limit)
+        assert ids.dtype == np.uint64 and ids.tolist() == values and largest == 2**31 - 1
