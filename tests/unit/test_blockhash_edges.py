@@ -123,3 +123,20 @@ def test_id_array_of_every_kind_of_input_is_uint64_ids_and_their_largest(limit: 
     for kind in (list, tuple, lambda v: array("Q", v), lambda v: array("l", v), np.array):
         ids, largest = id_array(kind(values), limit)
         assert ids.dtype == np.uint64 and ids.tolist() == values and largest == 2**31 - 1
+
+
+def test_an_api_array_is_range_checked_and_hashed_like_a_list() -> None:
+    """The API hands ``array("Q")`` ids to the hasher: ids past the release's limit are
+    refused, and ids needing CBOR's 9-byte form are hashed as in a list."""
+    from array import array
+
+    tokens = [*range(90), 2**40, 2**32, *range(36)]  # 128 ids, 8 blocks of 16
+    old = BlockHasher(HashSettings(vllm_version=(0, 28, 0)))
+    assert old.digests(array("Q", tokens), 16) == old.digests(tokens, 16)
+    assert old.digests(array("Q", tokens), 16) == reference_digests(old.settings, tokens, 16)
+    new = BlockHasher(HashSettings(vllm_version=(0, 34, 0)))
+    for algo in ALGOS:
+        hasher = BlockHasher(HashSettings(algo=algo, vllm_version=(0, 34, 0)))
+        with pytest.raises(ValueError, match=r"token id 2147483648 is out of range"):
+            hasher.digests(array("Q", [*range(100), 2**31]), 16)
+    assert len(new.digests(array("Q", [*range(100), 2**31 - 1]), 16)) == 6
