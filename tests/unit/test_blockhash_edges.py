@@ -140,3 +140,18 @@ def test_an_api_array_is_range_checked_and_hashed_like_a_list() -> None:
         with pytest.raises(ValueError, match=r"token id 2147483648 is out of range"):
             hasher.digests(array("Q", [*range(100), 2**31]), 16)
     assert len(new.digests(array("Q", [*range(100), 2**31 - 1]), 16)) == 6
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_numpy_arrays_that_are_not_a_row_of_integer_ids_are_refused(algo: str) -> None:
+    """A float array (vLLM rejects 1.0 as a token id) and a tokenizer's batch of shape
+    (1, n) are refused, not hashed as if they were ids."""
+    import numpy as np
+
+    hasher = BlockHasher(HashSettings(algo=algo))
+    for tokens in (np.ones(80, np.float64), np.arange(80, dtype=np.float32)):
+        with pytest.raises(ValueError, match="is not an integer"):
+            hasher.digests(tokens, 16)
+    with pytest.raises(ValueError, match="is not an integer"):
+        hasher.digests(np.arange(80, dtype=np.int64).reshape(1, 80), 16)
+    assert len(hasher.digests(np.arange(80, dtype=np.int64), 16)) == 5
