@@ -155,3 +155,18 @@ def test_numpy_arrays_that_are_not_a_row_of_integer_ids_are_refused(algo: str) -
     with pytest.raises(ValueError, match="is not an integer"):
         hasher.digests(np.arange(80, dtype=np.int64).reshape(1, 80), 16)
     assert len(hasher.digests(np.arange(80, dtype=np.int64), 16)) == 5
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_numpy_array_is_range_checked_like_a_list(algo: str) -> None:
+    """vLLM >= 0.34 keeps ids as int32: 2**31 in a numpy array is refused as in a list."""
+    import numpy as np
+
+    hasher = BlockHasher(HashSettings(algo=algo, vllm_version=(0, 34, 0)))
+    for dtype in (np.int64, np.uint64, np.uint32):
+        tokens = np.arange(100, dtype=dtype)
+        tokens[50] = 2**31
+        with pytest.raises(ValueError, match=r"token id 2147483648 is out of range"):
+            hasher.digests(tokens, 16)
+        tokens[50] = 2**31 - 1
+        assert hasher.digests(tokens, 16) == hasher.digests(tokens.tolist(), 16)
