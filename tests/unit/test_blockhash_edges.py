@@ -170,3 +170,25 @@ def test_a_numpy_array_is_range_checked_like_a_list(algo: str) -> None:
             hasher.digests(tokens, 16)
         tokens[50] = 2**31 - 1
         assert hasher.digests(tokens, 16) == hasher.digests(tokens.tolist(), 16)
+
+
+EVENT_KEYS = [
+    (-1,),
+    (-24, -25, -256, -257, -65537, -(2**32) - 1, -(2**64)),
+    (0, 23, 24, 255, 256, 65535, 65536, 2**32, 2**64 - 1),
+    (True, False, None),
+    (b"", b"\x00" * 23, b"\xff" * 24, b"x" * 256),
+    ("", "a" * 24, "租户-α🦙"),
+    (("mm", "img", 0), ("lora", "ad", "/p"), ((1, (2, (3,))),)),
+    tuple(range(30)),
+]
+
+
+@pytest.mark.parametrize("extra", EVENT_KEYS)
+def test_event_extra_keys_of_every_cbor_shape_are_serialized_as_cbor2_does(extra: tuple) -> None:  # type: ignore[type-arg]
+    """The event checker hashes the extra keys an event states: ints of either sign, bytes,
+    bools, None, str and nested tuples, each as ``cbor2.dumps(canonical=True)``."""
+    parent = hashlib.sha256(b"p").digest()
+    tokens = [1, 2, 3, 4]
+    want = hashlib.sha256(_serialize("sha256_cbor", (parent, tuple(tokens), extra))).digest()
+    assert chain_digests("sha256_cbor", parent, tokens, 4, [extra]) == [want]
