@@ -185,7 +185,9 @@ EVENT_KEYS = [
 
 
 @pytest.mark.parametrize("extra", EVENT_KEYS)
-def test_event_extra_keys_of_every_cbor_shape_are_serialized_as_cbor2_does(extra: tuple) -> None:  # type: ignore[type-arg]
+def test_event_extra_keys_of_every_cbor_shape_are_serialized_as_cbor2_does(
+    extra: tuple[object, ...],
+) -> None:
     """The event checker hashes the extra keys an event states: ints of either sign, bytes,
     bools, None, str and nested tuples, each as ``cbor2.dumps(canonical=True)``."""
     parent = hashlib.sha256(b"p").digest()
