@@ -194,3 +194,10 @@ def test_event_extra_keys_of_every_cbor_shape_are_serialized_as_cbor2_does(
     tokens = [1, 2, 3, 4]
     want = hashlib.sha256(_serialize("sha256_cbor", (parent, tuple(tokens), extra))).digest()
     assert chain_digests("sha256_cbor", parent, tokens, 4, [extra]) == [want]
+
+
+@pytest.mark.parametrize(("key", "named"), [(1.5, "float"), ([1], "list"), ({"a": 1}, "dict")])
+def test_an_extra_key_cbor_cannot_hash_is_refused_naming_its_type(key: object, named: str) -> None:
+    parent = hashlib.sha256(b"p").digest()
+    with pytest.raises(ValueError, match=f"cannot hash {named} extra key"):
+        chain_digests("sha256_cbor", parent, [1, 2], 2, [(key,)])
