@@ -201,3 +201,10 @@ def test_an_extra_key_cbor_cannot_hash_is_refused_naming_its_type(key: object, n
     parent = hashlib.sha256(b"p").digest()
     with pytest.raises(ValueError, match=f"cannot hash {named} extra key"):
         chain_digests("sha256_cbor", parent, [1, 2], 2, [(key,)])
+
+
+@pytest.mark.parametrize("key", [2**64, -(2**64) - 1])
+def test_an_int_key_past_cbors_heads_is_refused(key: int) -> None:
+    parent = hashlib.sha256(b"p").digest()
+    with pytest.raises(ValueError, match="does not fit in a CBOR head"):
+        chain_digests("sha256_cbor", parent, [1, 2], 2, [(key,)])
