@@ -208,3 +208,17 @@ def test_an_int_key_past_cbors_heads_is_refused(key: int) -> None:
     parent = hashlib.sha256(b"p").digest()
     with pytest.raises(ValueError, match="does not fit in a CBOR head"):
         chain_digests("sha256_cbor", parent, [1, 2], 2, [(key,)])
+
+
+@pytest.mark.parametrize("version", [(0, 28, 0), (0, 34, 0)])
+def test_an_empty_prompt_has_no_blocks_on_every_release(version: tuple[int, int, int]) -> None:
+    """vLLM >= 0.34 checks ids against 2**31: an empty prompt has none to check."""
+    from array import array
+
+    import numpy as np
+
+    for algo in ALGOS:
+        hasher = BlockHasher(HashSettings(algo=algo, vllm_version=version))
+        for tokens in ([], array("Q"), np.zeros(0, np.int64)):
+            assert hasher.digests(tokens, 16) == []
+            assert hasher.member_keys(tokens, 16, "s") == []
