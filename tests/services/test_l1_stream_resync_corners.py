@@ -374,3 +374,20 @@ def test_a_replay_endpoint_that_works_is_not_logged(
     drive(stream, pub)
     assert pub.requests == [0]
     assert not [r for r in caplog.records if "replay at" in r.getMessage()]
+
+
+def test_every_live_batch_counts_as_received_and_moves_the_last_event(rig: Rig) -> None:
+    """``InstanceStatus.batches`` counts every batch received (duplicates too); the status
+    write's ``last_event_ms`` moves whenever it changed since the last write."""
+    inst = rig.register()
+    pub = rig.publisher()
+    status = InstanceStatus(inst, None)
+    stream = rig.stream(status=status)
+    live(stream, pub, 1)
+    first = status.update("", "ing-1", "connected", "", False).fields["last_event_ms"]
+    live(stream, pub, 2)
+    stream.on_live(*pub.buffer[-1])  # a duplicate is received too
+    assert status.batches == 4
+    time.sleep(0.01)
+    second = status.update("", "ing-1", "connected", "", False).fields["last_event_ms"]
+    assert int(second) > int(first)
