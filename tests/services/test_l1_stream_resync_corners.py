@@ -391,3 +391,17 @@ def test_every_live_batch_counts_as_received_and_moves_the_last_event(rig: Rig) 
     time.sleep(0.01)
     second = status.update("", "ing-1", "connected", "", False).fields["last_event_ms"]
     assert int(second) > int(first)
+
+
+def test_the_replayed_batches_already_applied_count_as_duplicates(rig: Rig) -> None:
+    """A gap replay holds the applied seq (the continuity check) and the held live batch:
+    both are dropped and counted as duplicates, each one."""
+    rig.register()
+    pub = rig.publisher()
+    stream = rig.stream()
+    live(stream, pub, 2)  # 0, 1
+    pub.publish()  # 2 lost
+    live(stream, pub, 1)  # 3, held; the replay from 1 returns 1, 2, 3
+    drive(stream, pub)
+    assert rig.members() == {pub.hash_of(s) for s in range(4)}
+    assert value_of(rig.metrics.batches, result=BatchStatus.DUPLICATE) == 2
