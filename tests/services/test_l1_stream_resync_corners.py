@@ -405,3 +405,32 @@ def test_the_replayed_batches_already_applied_count_as_duplicates(rig: Rig) -> N
     drive(stream, pub)
     assert rig.members() == {pub.hash_of(s) for s in range(4)}
     assert value_of(rig.metrics.batches, result=BatchStatus.DUPLICATE) == 2
+
+
+# -- a payload that is not a batch; a refused write ---------------------------------------------
+
+
+def test_a_payload_that_is_not_a_batch_is_counted_and_its_seq_recorded(rig: Rig) -> None:
+    """The module docstring: dropped and counted, but its sequence is still recorded (an
+    empty write), so the next batch follows without a gap."""
+    rig.register()
+    pub = rig.publisher()
+    stream = rig.stream()
+    live(stream, pub, 1)  # 0
+    stream.on_live(pub.publish_payload(b"\xc1 not msgpack"), pub.buffer[-1][1])  # 1
+    assert rig.store.last_seq(IP, 0) == 1
+    assert value_of(rig.metrics.malformed_frames, reason="not_a_batch") == 1
+    live(stream, pub, 1)  # 2
+    assert rig.members() == {pub.hash_of(0), pub.hash_of(2)}
+    assert rig.gap_fields() == {} and pub.requests == []
+
+
+def test_a_refused_write_names_its_seq(rig: Rig) -> None:
+    rig.register()
+    pub = rig.publisher()
+    stream = rig.stream()
+    live(stream, pub, 2)
+    rig.register(uid="pod-b")  # a new pod took the IP
+    with pytest.raises(FencedError) as caught:
+        live(stream, pub, 1)
+    assert str(caught.value) == f"{IP}/r0: the write of seq 2 was refused (stale_gen)"
