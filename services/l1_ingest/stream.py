@@ -286,7 +286,9 @@ class RankStream:
         self.cursor.mark_applied(-1)
         if self._start_replay(0, held):
             return
-        if self._write_run(held, counting_gap=bool(held)):  # whatever it sent so far
+        # whatever it sent so far; without a replay no gap is recovered (an unfilled one
+        # is counted by the write after it)
+        if self._write_run(held, counting_gap=False):
             self.resyncing = ""
 
     def _start_replay(self, start: int, held: list[tuple[int, bytes]]) -> bool:
