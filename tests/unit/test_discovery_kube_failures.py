@@ -7,17 +7,24 @@ applied by hand and seen to fail (docs/testing.md, "Issue 33")."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import urllib3
+import yaml
 from kubernetes.client.exceptions import ApiException
 
+from common.config import Config
 from common.lifecycle import Backoff
 from common.metrics import Registry
 from services.discovery import kube
 from services.discovery.kube import PodWatcher, error_kind
+from common.settings import DiscoverySettings
 from services.discovery.metrics import DiscoveryMetrics
 from tests.metrics_oracle import value_of
 
@@ -168,3 +175,85 @@ def test_the_small_helpers(tmp_path: Path) -> None:
     assert kube._short(ValueError("x" * 201)) == "x" * 197 + "..."
     assert kube._uid({}) == "" and kube._uid({"metadata": None}) == ""
     assert kube._uid({"metadata": {"uid": "", "name": "n"}}) == "n"
+
+
+# -- connect: which kubeconfig, which namespace, which retries --------------------------------
+
+
+def _settings(**changes: str) -> DiscoverySettings:
+    return dataclasses.replace(DiscoverySettings.from_config(Config()), **changes)
+
+
+def _kubeconfig(path: Path, namespace: str | None) -> Path:
+    context: dict[str, str] = {"cluster": "c", "user": "u"}
+    if namespace is not None:
+        context["namespace"] = namespace
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": context}],
+        "current-context": "x",
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_the_kubeconfig_env_names_the_file_and_its_context_the_namespace(tmp_path: Path) -> None:
+    """Without ``discovery.kubeconfig``, the first file of ``$KUBECONFIG`` is loaded and its
+    context's namespace watched; ``discovery.namespace`` wins over it; a context without one
+    watches ``default``. Kills ``$KUBECONFIG`` read under another name, the context's
+    namespace not read (10 ways) or replaced by ``"XXXX"``."""
+    first = _kubeconfig(tmp_path / "first.yaml", "team-a")
+    second = _kubeconfig(tmp_path / "second.yaml", "team-b")
+    env = {"KUBECONFIG": f"{first}{os.pathsep}{second}"}
+    api, namespace = kube.connect(_settings(), env)
+    assert namespace == "team-a" and api.configuration.host == "http://127.0.0.1:1"
+    assert kube.connect(_settings(namespace="mine"), env)[1] == "mine"
+    bare = _kubeconfig(tmp_path / "bare.yaml", None)
+    assert kube.connect(_settings(), {"KUBECONFIG": str(bare)})[1] == "default"
+    assert kube.connect(_settings(kubeconfig=str(second)), env)[1] == "team-b"
+
+
+def test_no_urllib3_retry_of_a_refused_connect_and_one_of_a_read(tmp_path: Path) -> None:
+    """The discovery loop backs off and logs once per state, so urllib3 must not retry a
+    refused connect or a redirect or a status itself; one read retry covers a pooled
+    keep-alive connection the server closed. Kills every other ``Retry``."""
+    path = _kubeconfig(tmp_path / "k.yaml", "ns")
+    api, _ = kube.connect(_settings(kubeconfig=str(path)), {})
+    retries = api.configuration.retries
+    assert isinstance(retries, urllib3.Retry)
+    assert (retries.total, retries.connect, retries.redirect, retries.status) == (1, 0, 0, 0)
+
+
+def test_close_stops_the_watch_until_the_thread_ends_or_the_timeout_passes() -> None:
+    """``close`` keeps stopping the watch stream (a stop landing before the stream opens is
+    forgotten) while the thread lives, and gives up after its timeout. Kills the deadline
+    taken as already passed (``monotonic() - timeout``: the stream is never stopped) or
+    ``None``."""
+    w, _, _ = _watcher()
+    stops: list[float] = []
+    release = threading.Event()
+
+    class _Watch:
+        def stop(self) -> None:
+            stops.append(time.monotonic())
+            if len(stops) >= 3:
+                release.set()
+
+    w._closing = threading.Event()
+    w._watch = _Watch()
+    w._thread = threading.Thread(target=release.wait, daemon=True)
+    w._thread.start()
+    w.close(timeout=60.0)
+    assert len(stops) >= 3 and not w._thread.is_alive()
+    stuck, _, _ = _watcher()
+    stuck._closing = threading.Event()
+    stuck._watch = _Watch()
+    hold = threading.Event()
+    stuck._thread = threading.Thread(target=hold.wait, daemon=True)
+    stuck._thread.start()
+    stuck.close(timeout=0.2)  # returns although the thread still runs
+    assert stuck._thread.is_alive()
+    hold.set()
