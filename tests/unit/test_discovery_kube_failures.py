@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,97 @@ def test_close_stops_the_watch_until_the_thread_ends_or_the_timeout_passes() -> 
     stuck.close(timeout=0.2)  # returns although the thread still runs
     assert stuck._thread.is_alive()
     hold.set()
+
+
+# -- what a watcher asks the API server ---------------------------------------------------------
+
+
+class _Response:
+    def __init__(self, body: bytes) -> None:
+        self.data, self.released = body, False
+
+    def release_conn(self) -> None:
+        self.released = True
+
+
+class _Api:
+    """``list_namespaced_pod`` recording its calls and answering one list."""
+
+    def __init__(self, body: bytes) -> None:
+        self.calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+        self.response = _Response(body)
+
+    def list_namespaced_pod(self, *args: object, **kwargs: object) -> _Response:
+        self.calls.append((args, kwargs))
+        return self.response
+
+
+class _Stream:
+    def __init__(self, events: list[dict[str, object]]) -> None:
+        self.events, self.closed = events, False
+
+    def __iter__(self) -> Iterator[dict[str, object]]:
+        return iter(self.events)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _RecordingWatch:
+    def __init__(self, events: list[dict[str, object]]) -> None:
+        self.calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+        self.stream_made = _Stream(events)
+
+    def stream(self, *args: object, **kwargs: object) -> _Stream:
+        self.calls.append((args, kwargs))
+        return self.stream_made
+
+
+def test_a_list_asks_for_the_raw_pods_of_its_selector_with_bounded_timeouts() -> None:
+    """Kills the list's selector, raw response (``_preload_content``) or timeouts dropped,
+    the connection not released, the resource version or pods not taken from the body."""
+    body = b'{"metadata": {"resourceVersion": "42"}, "items": [{"metadata": {"uid": "u1"}}]}'
+    api = _Api(body)
+    changes: list[int] = []
+    w, metrics, _ = _watcher(changes)
+    w._api = api  # type: ignore[assignment]
+    assert w._list() == "42"
+    assert api.calls == [
+        (
+            ("ns",),
+            {
+                "label_selector": "app=vllm",
+                "_preload_content": False,
+                "_request_timeout": (kube.CONNECT_TIMEOUT, kube.LIST_READ_TIMEOUT),
+            },
+        )
+    ]
+    assert api.response.released and w.synced and len(changes) == 1
+    assert w.pods() == [{"metadata": {"uid": "u1"}}]
+    assert value_of(metrics.relists, source="vllm") == 1
+
+
+def test_a_watch_resumes_from_its_version_with_bookmarks_and_a_bounded_read() -> None:
+    """Kills the watch's resource version, bookmarks, server-side timeout (at least 1 s,
+    rounded up) or read timeout (5 s more) changed or dropped, the stream left open, and
+    the version lost to an event without one."""
+    pod = {"metadata": {"uid": "u2", "resourceVersion": "50"}}
+    # an event without a version (here a malformed one) keeps the last one
+    recording = _RecordingWatch([{"type": "ADDED", "raw_object": pod}, {"type": "ADDED"}])
+    w, _, _ = _watcher()
+    api = _Api(b"")
+    w._api, w._watch = api, recording  # type: ignore[assignment]
+    assert w._watch_once("42", 12.2) == "50"
+    ((args, kwargs),) = recording.calls
+    assert args == (api.list_namespaced_pod, "ns")
+    assert kwargs == {
+        "label_selector": "app=vllm",
+        "resource_version": "42",
+        "timeout_seconds": 13,
+        "allow_watch_bookmarks": True,
+        "_request_timeout": (kube.CONNECT_TIMEOUT, 18),
+    }
+    assert recording.stream_made.closed and w.pods() == [pod]
+    w._watch = _RecordingWatch([])
+    assert w._watch_once("50", 0.2) == "50"
+    assert w._watch.calls[0][1]["timeout_seconds"] == 1
