@@ -352,3 +352,42 @@ def test_a_watch_resumes_from_its_version_with_bookmarks_and_a_bounded_read() ->
     w._watch = _RecordingWatch([])
     assert w._watch_once("50", 0.2) == "50"
     assert w._watch.calls[0][1]["timeout_seconds"] == 1
+
+
+class _ClosingWatch(_RecordingWatch):
+    """A watch whose streams end at once; the watcher is closed after ``calls`` of them."""
+
+    def __init__(self, closing: threading.Event, calls: int) -> None:
+        super().__init__([])
+        self.closing, self.limit = closing, calls
+
+    def stream(self, *args: object, **kwargs: object) -> _Stream:
+        super().stream(*args, **kwargs)
+        if len(self.calls) >= self.limit:
+            self.closing.set()
+        return _Stream([])
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_only_a_reopened_watch_counts_as_a_restart(calls: int) -> None:
+    """The first watch after a list is not a restart; each reopening is. Kills ``first``
+    starting false (every list would count a watch restart)."""
+    w, metrics, _ = _watcher()
+    closing = threading.Event()
+    w._api, w._closing = _Api(b""), closing  # type: ignore[assignment]
+    w._watch = _ClosingWatch(closing, calls)
+    w._backoff = Backoff(0.001, 0.001)
+    w._watch_until("1", time.monotonic() + 600)
+    assert len(w._watch.calls) == calls
+    assert value_of(metrics.watch_restarts, source="vllm") == calls - 1
+
+
+def test_a_watch_is_not_opened_past_the_refresh_deadline() -> None:
+    """Less than a second before the relist is due, no watch is opened. Kills the time left
+    computed as ``deadline + now``."""
+    w, _, _ = _watcher()
+    closing = threading.Event()
+    w._api, w._closing = _Api(b""), closing  # type: ignore[assignment]
+    w._watch = _ClosingWatch(closing, 1)
+    w._watch_until("1", time.monotonic() - 5)
+    assert w._watch.calls == []
