@@ -157,6 +157,8 @@ def test_watch_events_change_the_pods_and_give_their_resource_version() -> None:
     assert w.pods() == [moved] and len(changes) == 2  # a bookmark changes nothing
     assert w._apply({"type": "DELETED", "raw_object": moved}) == "8"
     assert w.pods() == [] and len(changes) == 3
+    gone = {"metadata": {"uid": "never-seen", "resourceVersion": "10"}}
+    assert w._apply({"type": "DELETED", "raw_object": gone}) == "10"  # not known: no error
     for bad in (None, "x", {"type": "ADDED"}, {"type": "ADDED", "raw_object": "x"}):
         assert w._apply(bad) is None
     assert value_of(metrics.errors, kind="decode") == 4
