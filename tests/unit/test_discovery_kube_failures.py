@@ -21,6 +21,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from common.config import Config
+from common.errors import ConfigError
 from common.lifecycle import Backoff
 from common.metrics import Registry
 from services.discovery import kube
@@ -393,3 +394,16 @@ def test_a_watch_is_not_opened_past_the_refresh_deadline() -> None:
     w._watch = _ClosingWatch(closing, 1)
     w._watch_until("1", time.monotonic() - 5)
     assert w._watch.calls == []
+
+
+def test_a_config_that_cannot_be_loaded_is_named_in_the_error(tmp_path: Path) -> None:
+    """Kills the refusal without its text, or naming the wrong source (the kubeconfig file
+    for the in-cluster config or the other way round)."""
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=f"^discovery: cannot load kubeconfig {missing}: "):
+        kube.connect(_settings(kubeconfig=str(missing)), {})
+    with pytest.raises(
+        ConfigError,
+        match=r"^discovery: cannot load in-cluster config \(no discovery.kubeconfig\): ",
+    ):
+        kube.connect(_settings(), {}, sa_dir=tmp_path / "no-service-account")
