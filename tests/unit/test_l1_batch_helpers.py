@@ -8,9 +8,11 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
+from common.event_types import BlockStored
+from common.events import encode_batch
 from common.store import ApplyResult, BatchStatus, StoredCursor
-from services.l1_ingest.apply import Plan
-from services.l1_ingest.batch import count_applied, payload_digest, show_cursor
+from services.l1_ingest.apply import GroupSettings, Plan, Step
+from services.l1_ingest.batch import count_applied, decode_plan, payload_digest, show_cursor
 from services.l1_ingest.metrics import IngestMetrics
 from tests.metrics_oracle import value_of
 
@@ -49,3 +51,17 @@ def test_a_stored_cursor_is_shown_with_its_seq_and_digest() -> None:
     assert show_cursor(StoredCursor(5, "00ab")) == "seq 5 (00ab)"
     assert show_cursor(StoredCursor(5)) == "seq 5"
     assert show_cursor(StoredCursor(-1)) == show_cursor(StoredCursor(None)) == "none"
+
+
+def test_a_decoded_batch_carries_the_configured_group_settings() -> None:
+    """The config's hash unit, chunk size and DP size go with the batch's group descriptors
+    into the store; without them a configured ``prefixMatchUnit`` or chunk never reaches the
+    index. Kills ``plan_ops(batch, None)`` and ``plan_ops(batch)`` in ``decode_plan``."""
+    event = BlockStored(
+        [1, 2], None, list(range(8)), 4, medium="GPU", group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )  # fmt: skip
+    payload = encode_batch([event], ts=1.0, data_parallel_rank=0, vllm_version=(0, 28))
+    plan, events = decode_plan("pod", Step(7, payload), GroupSettings(16, 64, 2), IngestMetrics())
+    assert events == [event]
+    assert ("H", "", 0, [16, 64, 2]) in plan.ops.ops
