@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import urllib3
 import yaml
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from common.config import Config
@@ -25,9 +26,11 @@ from common.errors import ConfigError
 from common.lifecycle import Backoff
 from common.metrics import Registry
 from services.discovery import kube
+from services.discovery import pods as podrules
 from services.discovery.kube import PodWatcher, error_kind
 from common.settings import DiscoverySettings
 from services.discovery.metrics import DiscoveryMetrics
+from services.discovery.reconcile import Desired
 from tests.metrics_oracle import value_of
 
 
@@ -376,7 +379,7 @@ def test_only_a_reopened_watch_counts_as_a_restart(calls: int) -> None:
     """The first watch after a list is not a restart; each reopening is. Kills ``first``
     starting false (every list would count a watch restart)."""
     w, metrics, _ = _watcher()
-    closing = threading.Event()
+    closing = _RecordingEvent()  # never blocks: a lost back-off fails, it does not hang
     w._api, w._closing = _Api(b""), closing  # type: ignore[assignment]
     w._watch = _ClosingWatch(closing, calls)
     w._backoff = Backoff(0.001, 0.001)
@@ -389,7 +392,7 @@ def test_a_watch_is_not_opened_past_the_refresh_deadline() -> None:
     """Less than a second before the relist is due, no watch is opened. Kills the time left
     computed as ``deadline + now``."""
     w, _, _ = _watcher()
-    closing = threading.Event()
+    closing = _RecordingEvent()  # never blocks: a lost back-off fails, it does not hang
     w._api, w._closing = _Api(b""), closing  # type: ignore[assignment]
     w._watch = _ClosingWatch(closing, 1)
     w._watch_until("1", time.monotonic() - 5)
@@ -407,3 +410,52 @@ def test_a_config_that_cannot_be_loaded_is_named_in_the_error(tmp_path: Path) ->
         match=r"^discovery: cannot load in-cluster config \(no discovery.kubeconfig\): ",
     ):
         kube.connect(_settings(), {}, sa_dir=tmp_path / "no-service-account")
+
+
+class _RecordingEvent(threading.Event):
+    """The closing Event, recording how long each back-off asked to wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[object] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.asked.append(timeout)
+        return super().wait(0 if self.is_set() else 0.001)
+
+
+def test_a_watch_that_ends_at_once_is_reopened_only_after_a_back_off() -> None:
+    """A watch stream that ends at once (an API server that closes it) must not be reopened
+    in a tight loop. Kills the elapsed time computed as ``now + started`` (never short) and
+    the back-off's delay dropped (``wait(None)``)."""
+    w, _, _ = _watcher()
+    closing = _RecordingEvent()
+    w._api, w._closing = _Api(b""), closing  # type: ignore[assignment]
+    w._watch = _ClosingWatch(closing, 3)
+    w._backoff = Backoff(0.001, 0.001)
+    w._watch_until("1", time.monotonic() + 600)
+    assert len(closing.asked) == 3
+    assert all(isinstance(t, float) and 0 < t <= 0.001 for t in closing.asked), closing.asked
+
+
+def test_the_two_watchers_watch_their_own_selectors_and_masters_wait_for_their_list() -> None:
+    """One watcher per selector, named for the metrics' ``source`` label; until a watcher's
+    first list succeeds its side of the desired state is unknown (None), so the reconciler
+    removes nothing. Kills the masters watcher's name or selector replaced, and the masters
+    taken as listed before their first list (``synced or True``: every registered master
+    would be dropped at start)."""
+    settings = _settings()
+    source = kube.KubeSource(
+        client.ApiClient(), "ns", settings, DiscoveryMetrics.register(Registry())
+    )
+    assert (source.vllm.name, source.vllm.selector) == (
+        "vllm",
+        podrules.vllm_selector(settings.labels),
+    )
+    assert (source.masters.name, source.masters.selector) == (
+        "masters",
+        podrules.master_selector(settings.labels),
+    )
+    assert source.desired() == Desired(instances=None, masters=None)
+    source.masters.synced = True
+    assert source.desired() == Desired(instances=None, masters={})
