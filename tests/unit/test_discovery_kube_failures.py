@@ -173,7 +173,7 @@ def test_watch_events_change_the_pods_and_give_their_resource_version() -> None:
 def test_the_small_helpers(tmp_path: Path) -> None:
     """``_read_text`` (the service account's namespace file) and ``_short`` (a state line's
     detail). Kills the missing file read as ``"XXXX"``, the text not stripped, the cut at
-    another length."""
+    another length, a pod keyed by its name while it has a UID."""
     (tmp_path / "namespace").write_bytes("  équipe-1\n".encode())
     assert kube._read_text(tmp_path / "namespace") == "équipe-1"
     assert kube._read_text(tmp_path / "missing") == ""
@@ -182,6 +182,8 @@ def test_the_small_helpers(tmp_path: Path) -> None:
     assert kube._short(ValueError("x" * 201)) == "x" * 197 + "..."
     assert kube._uid({}) == "" and kube._uid({"metadata": None}) == ""
     assert kube._uid({"metadata": {"uid": "", "name": "n"}}) == "n"
+    # keyed by UID, not name: a pod replaced under the same name (a StatefulSet's) is another
+    assert kube._uid({"metadata": {"uid": "u", "name": "n"}}) == "u"
 
 
 # -- connect: which kubeconfig, which namespace, which retries --------------------------------
