@@ -10,6 +10,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from common import keys
+from common.event_types import BlockStored
+from common.events import encode_batch
+from services.l1_ingest.apply import GroupSettings
 from tests.metrics_oracle import value_of
 from tests.services.test_l1_rank_stream import IP, Rig, live, make_rig
 
@@ -38,3 +42,22 @@ def test_a_gap_after_a_reset_and_a_reconnect_is_written_not_taken_for_a_restart(
     live(stream, pub, 1)  # 5
     assert value_of(rig.metrics.restarts) == 0
     assert rig.members() == {pub.hash_of(5)} and rig.store.last_seq(IP, 0) == 5
+
+
+def test_a_live_batch_writes_the_configured_group_settings(rig: Rig) -> None:
+    """The stream hands its configured hash unit and chunk size to every batch it writes, so
+    they reach the instance's groups hash with the first descriptor. Kills ``_write``
+    decoding with no group settings (``decode_plan(…, None, …)``)."""
+    rig.register()
+    pub = rig.publisher()
+    stream = rig.stream()
+    stream.groups = GroupSettings(hash_unit=8, chunk=64, dp_size=1)
+    event = BlockStored(
+        [11, 12], None, list(range(8)), 4, medium="GPU", group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )  # fmt: skip
+    data = encode_batch([event], ts=1.0, data_parallel_rank=0, vllm_version=(0, 28, 0))
+    stream.on_live(pub.publish_payload(data), data)
+    raw = rig.store.r.hgetall(keys.l1_groups(IP))
+    fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+    assert fields["h_cfg"] in ("8", b"8") and fields["chunk"] in ("64", b"64"), fields
