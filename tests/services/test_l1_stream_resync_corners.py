@@ -170,8 +170,9 @@ def test_a_possible_restart_without_replay_follows_the_policy_for_what_came_befo
 # -- what a refused reset says ----------------------------------------------------------------
 
 
-def _lease_lost(rig: Rig) -> tuple[RankStream, FakePublisher]:
-    rig.register(replay=False)
+def _lease_lost(rig: Rig, *, replay: bool = False) -> tuple[RankStream, FakePublisher]:
+    """A stream that applied seqs 0..3 as the lease's holder, then lost the lease."""
+    rig.register(replay=replay)
     assert rig.store.claim_instance(IP, "me", 60_000)
     pub = rig.publisher()
     stream = rig.stream(owner="me")
@@ -182,13 +183,7 @@ def _lease_lost(rig: Rig) -> tuple[RankStream, FakePublisher]:
 
 
 def test_a_refused_restart_reset_names_the_evidence(rig: Rig) -> None:
-    rig.register()
-    assert rig.store.claim_instance(IP, "me", 60_000)
-    pub = rig.publisher()
-    stream = rig.stream(owner="me")
-    live(stream, pub, 4)
-    assert rig.store.release_instance(IP, "me")
-    assert rig.store.claim_instance(IP, "other", 60_000)
+    stream, pub = _lease_lost(rig, replay=True)
     pub.restart()
     pub.publish()
     stream.on_connected()
