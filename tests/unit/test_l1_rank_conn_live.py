@@ -4,9 +4,13 @@ issue 33): a live message that is not ``[topic, seq, payload]`` is dropped, coun
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import pytest
 import zmq
+
+from common.settings import L1IngestSettings
 
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.rank_conn import RankConn
@@ -43,3 +47,68 @@ def test_a_badly_framed_message_is_counted_and_the_rest_read() -> None:
     assert stream.live == [(7, b"payload")]
     assert value_of(metrics.malformed_frames, reason="framing") == 2
     assert sub.messages == []
+
+
+class _ClosingStream(_Stream):
+    closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.mark.parametrize(
+    ("initial", "cap", "ivl", "ivl_max"),
+    [
+        (0.25, 30.0, 250, 2000),  # backoffMax above RECONNECT_MAX: the cap is 2 s
+        (0.0004, 1.5, 1, 1500),  # under a millisecond: 1 ms, not 0 (libzmq's "never")
+        (3.0, 0.0001, 3000, 1),
+    ],
+)
+def test_the_sub_socket_is_opened_with_the_configured_reconnect_backoff(
+    initial: float, cap: float, ivl: int, ivl_max: int
+) -> None:
+    """Kills ``open``'s options (mutation testing, issue 33): the reconnect interval in
+    milliseconds (``/ 1000`` for ``* 1000`` made it 1 ms: a dead publisher hammered), its
+    floor, the cap, no linger, the high-water mark, and both sockets closed by ``close``."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        cfg = L1IngestSettings(backoff_initial=initial, backoff_max=cap)
+        metrics, stream = IngestMetrics(), _ClosingStream()
+        conn = RankConn.open(stream, ctx, cfg, metrics)  # type: ignore[arg-type]
+        sub = conn.sub
+        assert sub.getsockopt(zmq.RECONNECT_IVL) == ivl
+        assert sub.getsockopt(zmq.RECONNECT_IVL_MAX) == ivl_max
+        assert sub.getsockopt(zmq.LINGER) == 0
+        assert sub.getsockopt(zmq.RCVHWM) == 100_000
+        assert sub.type == zmq.SUB and conn.monitor.type == zmq.PAIR
+        conn.connected = True
+        metrics.connected.inc(1)
+        conn.close()
+        assert sub.closed and conn.monitor.closed and stream.closed == 1
+        assert value_of(metrics.connected) == 0 and not conn.connected
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_sub_socket_subscribes_to_the_configured_topic_only() -> None:
+    """A publisher's other topics are not read (``SUBSCRIBE`` with the configured topic)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        conn = RankConn.open(_ClosingStream(), ctx, L1IngestSettings(topic="kv@"), IngestMetrics())  # type: ignore[arg-type]
+        conn.sub.connect(f"tcp://127.0.0.1:{port}")
+        seq = (1).to_bytes(8, "big")
+        got: list[list[bytes]] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:  # a SUB joins late: send until heard
+            pub.send_multipart([b"other", seq, b"no"])
+            pub.send_multipart([b"kv@", seq, b"yes"])
+            if conn.sub.poll(100):
+                got.append(conn.sub.recv_multipart())
+        assert got == [[b"kv@", seq, b"yes"]]
+        while conn.sub.poll(200):
+            assert conn.sub.recv_multipart()[0] == b"kv@"
+        conn.close()
+    finally:
+        ctx.destroy(linger=0)
