@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common.settings import L1IngestSettings
 
@@ -91,7 +92,8 @@ def test_the_sub_socket_is_opened_with_the_configured_reconnect_backoff(
 
 
 def test_the_sub_socket_subscribes_to_the_configured_topic_only() -> None:
-    """A publisher's other topics are not read (``SUBSCRIBE`` with the configured topic)."""
+    """A publisher's other topics are not read (``SUBSCRIBE`` with the configured topic), and
+    the monitor is asked for the connection changes it follows only (``None``: every event)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         pub = ctx.socket(zmq.PUB)
@@ -109,6 +111,11 @@ def test_the_sub_socket_subscribes_to_the_configured_topic_only() -> None:
         assert got == [[b"kv@", seq, b"yes"]]
         while conn.sub.poll(200):
             assert conn.sub.recv_multipart()[0] == b"kv@"
+        # the monitor reports only the three changes read_monitor follows (not every event)
+        codes = []
+        while conn.monitor.poll(200):
+            codes.append(recv_monitor_message(conn.monitor)["event"])
+        assert codes == [zmq.EVENT_HANDSHAKE_SUCCEEDED]
         conn.close()
     finally:
         ctx.destroy(linger=0)
