@@ -4,6 +4,8 @@
 #
 #   scripts/mutation.sh [-j N] [MODULE ...]   # mutate MODULE(s), one after the other, print scores
 #   scripts/mutation.sh --resume [MODULE ...] # only the mutants not yet run or that survived
+#   scripts/mutation.sh --function FN MODULE  # only the mutants of function or method FN
+#                                             # (repeatable; e.g. after FN alone changed)
 #   scripts/mutation.sh --report [MODULE ...] # print the scores and survivors of the last runs
 #
 # MODULE is a path (common/hit_rule.py) or a dotted name (common.hit_rule); without one, every
@@ -25,12 +27,14 @@ children=1
 report_only=0
 resume=0
 modules=()
+functions=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         -j) children=$2; shift 2 ;;
         --report) report_only=1; shift ;;
         --resume) resume=1; shift ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        --function) functions+=("$2"); shift 2 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) modules+=("$1"); shift ;;
     esac
 done
@@ -123,6 +127,12 @@ for p in "${paths[@]}"; do
     # tests/mutation_rerun.py (pytest_add_cli_args) runs a failed test once more, so a flaky
     # test neither stops mutmut's first full run nor counts as a kill
     names=("$name.*")
+    if [[ ${#functions[@]} -gt 0 ]]; then
+        names=()
+        for fn in "${functions[@]}"; do
+            names+=("$name.x*$fn""__mutmut_*")  # x_FN (a function), xǁClassǁFN (a method)
+        done
+    fi
     if [[ $resume -eq 1 && -f mutants/$p.meta ]]; then
         mapfile -t names < <(python - "mutants/$p.meta" <<'EOF'
 import json, sys

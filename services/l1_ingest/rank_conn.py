@@ -44,6 +44,11 @@ def parse_live(frames: list[bytes]) -> tuple[int, bytes] | None:
     return int.from_bytes(frames[1], "big"), frames[2]
 
 
+def _text(endpoint: bytes | str) -> str:
+    """A monitor event's endpoint (bytes from pyzmq) as the text ``connect`` was given."""
+    return endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else str(endpoint)
+
+
 class SocketKind(Enum):
     """What a polled socket of a rank is."""
 
@@ -142,7 +147,7 @@ class RankConn:
                 return
             code = event["event"]
             if code == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.set_state(ConnState.CONNECTED, str(event["endpoint"]))
+                self.set_state(ConnState.CONNECTED, _text(event["endpoint"]))
                 if not self.connected:
                     self.connected = True
                     self.metrics.connected.inc(1)

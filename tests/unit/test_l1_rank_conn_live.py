@@ -4,6 +4,7 @@ issue 33): a live message that is not ``[topic, seq, payload]`` is dropped, coun
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common.settings import L1IngestSettings
+from common.status_report import ConnState
 
 from services.l1_ingest.metrics import IngestMetrics
 from services.l1_ingest.rank_conn import RankConn
@@ -117,5 +119,63 @@ def test_the_sub_socket_subscribes_to_the_configured_topic_only() -> None:
             codes.append(recv_monitor_message(conn.monitor)["event"])
         assert codes == [zmq.EVENT_HANDSHAKE_SUCCEEDED]
         conn.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+class _Inst:
+    def __init__(self, endpoint: str) -> None:
+        self.zmq_endpoint = endpoint
+
+
+class _ConnectingStream(_ClosingStream):
+    rank = 0
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__()
+        self.inst = _Inst(endpoint)
+        self.connects = 0
+
+    def on_connected(self) -> None:
+        self.connects += 1
+
+
+def test_each_connection_change_is_logged_once_with_its_endpoint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Connecting, connected (the endpoint the handshake was with), disconnected (a warning)
+    are each logged once as the monitor reports them, and the gauge follows. Kills the state
+    log's arguments in ``set_state``, ``connect`` and ``read_monitor`` (the state itself
+    ``None`` logged nothing at all)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://127.0.0.1:{port}"
+        stream, metrics = _ConnectingStream(endpoint), IngestMetrics()
+        conn = RankConn.open(stream, ctx, L1IngestSettings(), metrics)  # type: ignore[arg-type]
+        caplog.set_level(logging.INFO, logger="services.l1_ingest.rank_conn")
+
+        def follow(*until: ConnState) -> None:
+            deadline = time.monotonic() + 10
+            while conn.state not in until:
+                assert time.monotonic() < deadline, f"never {until}"
+                conn.monitor.poll(100)
+                conn.read_monitor()
+
+        conn.connect()
+        follow(ConnState.CONNECTED)
+        assert stream.connects == 1 and value_of(metrics.connected) == 1
+        pub.close(linger=0)
+        follow(ConnState.DISCONNECTED, ConnState.UNREACHABLE)  # libzmq retries at once
+        assert value_of(metrics.connected) == 0
+        conn.close()
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+        name = "publisher 10.0.0.1 r0"
+        assert lines[:3] == [
+            (logging.INFO, f"{name}: connecting ({endpoint})"),
+            (logging.INFO, f"{name}: connected ({endpoint})"),
+            (logging.WARNING, f"{name}: disconnected (libzmq reconnects)"),
+        ]
     finally:
         ctx.destroy(linger=0)
