@@ -18,9 +18,10 @@ from common.event_types import BlockStored
 from common.events import encode_batch
 from common.store import BatchStatus
 from services.l1_ingest.apply import GroupSettings
+from services.l1_ingest.stream import RankStream
 from tests.metrics_oracle import count_of, sum_of, value_of
 from tests.services.test_l1_cursor_fence import roll_back
-from tests.services.test_l1_rank_stream import IP, Rig, drive, live, make_rig
+from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
 from tests.services.test_l1_stream_resync_corners import drive_one
 
 
@@ -50,14 +51,16 @@ def test_a_gap_after_a_reset_and_a_reconnect_is_written_not_taken_for_a_restart(
     assert rig.members() == {pub.hash_of(5)} and rig.store.last_seq(IP, 0) == 5
 
 
-def test_a_live_batch_writes_the_configured_group_settings(rig: Rig) -> None:
-    """The stream hands its configured hash unit and chunk size to every batch it writes, so
-    they reach the instance's groups hash with the first descriptor. Kills ``_write``
-    decoding with no group settings (``decode_plan(…, None, …)``)."""
+def _groups_written(rig: Rig, groups: GroupSettings | None) -> dict[str, str]:
+    """The instance's groups hash after one batch written by a stream given ``groups``."""
     rig.register()
     pub = rig.publisher()
-    stream = rig.stream()
-    stream.groups = GroupSettings(hash_unit=8, chunk=64, dp_size=1)
+    assert rig.inst is not None
+    stream = RankStream(
+        rig.inst, 0, rig.store, rig.ctx, owner="", gap_policy="keep", replay_timeout=LONG,
+        metrics=rig.metrics, groups=groups,
+    )  # fmt: skip
+    rig.streams.append(stream)
     event = BlockStored(
         [11, 12], None, list(range(8)), 4, medium="GPU", group_idx=0,
         kv_cache_spec_kind="full_attention",
@@ -65,8 +68,51 @@ def test_a_live_batch_writes_the_configured_group_settings(rig: Rig) -> None:
     data = encode_batch([event], ts=1.0, data_parallel_rank=0, vllm_version=(0, 28, 0))
     stream.on_live(pub.publish_payload(data), data)
     raw = rig.store.r.hgetall(keys.l1_groups(IP))
-    fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-    assert fields["h_cfg"] in ("8", b"8") and fields["chunk"] in ("64", b"64"), fields
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_a_live_batch_writes_the_configured_group_settings(rig: Rig) -> None:
+    """The stream hands the hash unit and chunk size it was given to every batch it writes,
+    so they reach the instance's groups hash with the first descriptor. Kills ``_write``
+    decoding with no group settings (``decode_plan(…, None, …)``) and ``__init__`` dropping
+    the settings it was given (``self.groups = None``, ``groups and …``)."""
+    fields = _groups_written(rig, GroupSettings(hash_unit=8, chunk=64, dp_size=1))
+    assert (fields["h_cfg"], fields["chunk"], fields["dp"]) == ("8", "64", "1"), fields
+
+
+def test_a_stream_given_no_group_settings_writes_the_instances_dp_size(rig: Rig) -> None:
+    """Without settings: no configured unit or chunk, and the registered DP size (1 here).
+    Kills ``max(2, inst.dp_size)`` in ``__init__``'s default."""
+    fields = _groups_written(rig, None)
+    assert (fields["h_cfg"], fields["chunk"], fields["dp"]) == ("0", "0", "1"), fields
+
+
+def test_the_stored_digest_wins_over_a_previous_sessions(rig: Rig) -> None:
+    """A new stream compares replays with the store's digest of its applied seq; a previous
+    session's (``last_digest``) only stands in when the store has none. Kills ``or`` for
+    ``and`` in ``__init__`` (a stale digest of the same seq taken over the store's)."""
+    rig.register()
+    pub = rig.publisher()
+    live(rig.stream(), pub, 3)  # 0..2
+    stored = rig.store.cursor(IP, 0)
+    stream = rig.stream(last_digest=(2, b"previous"))
+    assert stream.digest == (2, bytes.fromhex(stored.digest)) != (2, b"previous")
+
+
+def test_closing_a_stream_ends_its_replay(rig: Rig) -> None:
+    """A closed stream holds no replay and is not paused. Kills ``close`` leaving a value
+    that is not None (``self.replay = ""``: paused for ever, every live batch held)."""
+    rig.register()
+    rig.publisher()
+    stream = rig.stream()
+    stream.on_connected()  # the catch-up replay from 0, in flight
+    assert stream.paused and stream.replay is not None
+    stream.close()
+    assert stream.replay is None and not stream.paused
 
 
 def test_a_resync_whose_replayed_write_is_refused_again_stays_resyncing(rig: Rig) -> None:
