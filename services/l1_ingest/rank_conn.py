@@ -44,11 +44,6 @@ def parse_live(frames: list[bytes]) -> tuple[int, bytes] | None:
     return int.from_bytes(frames[1], "big"), frames[2]
 
 
-def _text(endpoint: bytes | str) -> str:
-    """A monitor event's endpoint (bytes from pyzmq) as the text ``connect`` was given."""
-    return endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else str(endpoint)
-
-
 class SocketKind(Enum):
     """What a polled socket of a rank is."""
 
@@ -103,7 +98,7 @@ class RankConn:
         self.sub.connect(endpoint)
         self.set_state(ConnState.CONNECTING, endpoint)
 
-    def set_state(self, state: ConnState, detail: str = "", level: int = logging.INFO) -> None:
+    def set_state(self, state: ConnState, detail: str, level: int = logging.INFO) -> None:
         """The connection's state, logged when it changes."""
         self.state = state
         self._log.set(state, detail, level)
@@ -147,7 +142,8 @@ class RankConn:
                 return
             code = event["event"]
             if code == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.set_state(ConnState.CONNECTED, _text(event["endpoint"]))
+                # pyzmq gives the endpoint as bytes: logged as the text connect was given
+                self.set_state(ConnState.CONNECTED, event["endpoint"].decode())
                 if not self.connected:
                     self.connected = True
                     self.metrics.connected.inc(1)

@@ -143,10 +143,12 @@ class _ConnectingStream(_ClosingStream):
 def test_each_connection_change_is_logged_once_with_its_endpoint(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Connecting, connected (the endpoint the handshake was with), disconnected (a warning)
-    are each logged once as the monitor reports them, and the gauge follows. Kills the state
-    log's arguments in ``set_state``, ``connect`` and ``read_monitor`` (the state itself
-    ``None`` logged nothing at all)."""
+    """Connecting, connected (the endpoint the handshake was with), disconnected and
+    unreachable (warnings), connected again: each change logged once as the monitor reports
+    it, and the gauge follows (back to 1 on the reconnect). Kills the state log's arguments in
+    ``set_state``, ``connect`` and ``read_monitor`` (the state itself ``None`` logged nothing
+    at all), the event tests inverted (a refused retry taken for a disconnect), and
+    ``connected = True`` on a disconnect (the gauge left at 0 once reconnected)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         pub = ctx.socket(zmq.PUB)
@@ -167,15 +169,21 @@ def test_each_connection_change_is_logged_once_with_its_endpoint(
         follow(ConnState.CONNECTED)
         assert stream.connects == 1 and value_of(metrics.connected) == 1
         pub.close(linger=0)
-        follow(ConnState.DISCONNECTED, ConnState.UNREACHABLE)  # libzmq retries at once
+        follow(ConnState.UNREACHABLE)  # disconnected, then libzmq's retries are refused
         assert value_of(metrics.connected) == 0
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(endpoint)  # the publisher is back: a retry succeeds
+        follow(ConnState.CONNECTED)
+        assert stream.connects == 2 and value_of(metrics.connected) == 1
         conn.close()
         lines = [(r.levelno, r.getMessage()) for r in caplog.records]
         name = "publisher 10.0.0.1 r0"
-        assert lines[:3] == [
+        assert lines == [
             (logging.INFO, f"{name}: connecting ({endpoint})"),
             (logging.INFO, f"{name}: connected ({endpoint})"),
             (logging.WARNING, f"{name}: disconnected (libzmq reconnects)"),
+            (logging.WARNING, f"{name}: unreachable (retrying)"),
+            (logging.INFO, f"{name}: connected ({endpoint})"),
         ]
     finally:
         ctx.destroy(linger=0)
