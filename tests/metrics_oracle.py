@@ -2,10 +2,10 @@
 of ``common/metrics.py``, whose facade only records.
 
 :func:`value_of`, :func:`count_of` and :func:`sum_of` read one series from the
-prometheus_client metric behind a :class:`common.metrics.Counter`, :class:`~common.metrics.Gauge` or
-:class:`~common.metrics.Histogram` (after flushing a buffered registry), the way ``/metrics``
-would show it in this process. A label left out is ``""``, as when recording; a series never
-recorded reads 0 (and is not created by the read).
+prometheus_client metric behind a :class:`common.metrics.Counter`,
+:class:`~common.metrics.Gauge` or :class:`~common.metrics.Histogram` (after flushing a buffered
+registry), the way ``/metrics`` would show it in this process. A label left out is ``""``, as
+when recording; a series never recorded reads 0 (and is not created by the read).
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ class Rig:
         replay_timeout: float = LONG,
         last_digest: tuple[int, bytes] | None = None,
         status: InstanceStatus | None = None,
+        groups: GroupSettings | None = None,
     ) -> RankStream:
         assert self.inst is not None
         stream = RankStream(
@@ -90,7 +91,7 @@ class Rig:
             metrics=self.metrics,
             last_digest=last_digest,
             status=status,
-            groups=GroupSettings(dp_size=max(1, self.inst.dp_size)),
+            groups=groups,  # None: the stream's own default, the instance's DP size
         )
         self.streams.append(stream)
         return stream

@@ -18,10 +18,9 @@ from common.event_types import BlockStored
 from common.events import encode_batch
 from common.store import BatchStatus
 from services.l1_ingest.apply import GroupSettings
-from services.l1_ingest.stream import RankStream
 from tests.metrics_oracle import count_of, sum_of, value_of
 from tests.services.test_l1_cursor_fence import roll_back
-from tests.services.test_l1_rank_stream import IP, LONG, Rig, drive, live, make_rig
+from tests.services.test_l1_rank_stream import IP, Rig, drive, live, make_rig
 from tests.services.test_l1_stream_resync_corners import drive_one
 
 
@@ -55,12 +54,7 @@ def _groups_written(rig: Rig, groups: GroupSettings | None) -> dict[str, str]:
     """The instance's groups hash after one batch written by a stream given ``groups``."""
     rig.register()
     pub = rig.publisher()
-    assert rig.inst is not None
-    stream = RankStream(
-        rig.inst, 0, rig.store, rig.ctx, owner="", gap_policy="keep", replay_timeout=LONG,
-        metrics=rig.metrics, groups=groups,
-    )  # fmt: skip
-    rig.streams.append(stream)
+    stream = rig.stream(groups=groups)
     event = BlockStored(
         [11, 12], None, list(range(8)), 4, medium="GPU", group_idx=0,
         kv_cache_spec_kind="full_attention",
@@ -68,11 +62,7 @@ def _groups_written(rig: Rig, groups: GroupSettings | None) -> dict[str, str]:
     data = encode_batch([event], ts=1.0, data_parallel_rank=0, vllm_version=(0, 28, 0))
     stream.on_live(pub.publish_payload(data), data)
     raw = rig.store.r.hgetall(keys.l1_groups(IP))
-    return {_text(k): _text(v) for k, v in raw.items()}
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return {k.decode(): v.decode() for k, v in raw.items()}
 
 
 def test_a_live_batch_writes_the_configured_group_settings(rig: Rig) -> None:
